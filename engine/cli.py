@@ -1,0 +1,109 @@
+"""`vidar` command line: run an engine, subscribe to its results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import ConfigError, VidarError
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .engine import Engine
+    from .runtime import EXIT_CONFIG, run
+
+    try:
+        cfg, applied = load_config(args.config, args.set)
+    except ConfigError as err:
+        print(f"vidar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    import torch
+    if torch.cuda.is_available():
+        print(f"vidar: GPU {torch.cuda.get_device_name(0)}", flush=True)
+    elif applied:
+        print("vidar: no CUDA GPU found: applying the config's on_cpu overrides: " + ", ".join(applied), flush=True)
+    else:
+        print("vidar: no CUDA GPU found: running on the CPU", flush=True)
+    if cfg.models.vit:
+        v = cfg.models.vit
+        print(f"vidar: model {v.name} (weights: {v.weights}), budget {cfg.budget.latency_ms:g} ms, "
+              f"max_batch {v.max_batch}; results on {cfg.publish.endpoint}"
+              + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),
+              flush=True)
+    try:
+        return run(Engine(cfg))
+    except ConfigError as err:
+        print(f"vidar: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+def _human(msg: dict) -> str:
+    if msg.get("type") == "event":
+        return f"event.{msg['stream']} {msg['kind']}: {msg['reason']}"
+    head = (f"{msg['type']}.{msg['stream']} seq={msg['seq']} pts={msg['pts']:.3f} "
+            f"latency={msg['latency_ms']:.1f}ms")
+    if "topk" in msg:
+        i, label, p = msg["topk"][0]
+        head += f" top1={i} {label!r} p={p:.3f}"
+    if msg.get("weights") == "random":
+        head += " [random weights]"
+    return head
+
+
+def cmd_subscribe(args: argparse.Namespace) -> int:
+    from .client import Subscriber
+
+    n = 0
+    with Subscriber(args.endpoint, topics=args.topic or [""]) as sub:
+        try:
+            while args.count is None or n < args.count:
+                msg = sub.recv(timeout=args.timeout)
+                if msg is None:
+                    print(f"vidar subscribe: nothing received for {args.timeout} s", file=sys.stderr)
+                    return 1
+                if args.json:
+                    out = {k: (v.hex() if isinstance(v, bytes) else v) for k, v in msg.items()}
+                    print(json.dumps(out), flush=True)
+                else:
+                    print(_human(msg), flush=True)
+                n += 1
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="vidar", description="Real-time video analytics engine")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the engine on a config")
+    r.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set models.vit.max_batch=4 (repeatable)")
+    r.set_defaults(func=cmd_run)
+    s = sub.add_parser("subscribe", help="print results from a running engine")
+    s.add_argument("endpoint", nargs="?", default="tcp://127.0.0.1:5556")
+    s.add_argument("--topic", action="append", help="topic prefix, e.g. vit.cam1 or event. (repeatable)")
+    s.add_argument("--json", action="store_true", help="JSON lines (bytes as hex)")
+    s.add_argument("--count", type=int, help="exit after this many messages")
+    s.add_argument("--timeout", type=float, help="exit 1 if nothing arrives for this many seconds")
+    s.set_defaults(func=cmd_subscribe)
+    args = p.parse_args(argv)
+    _setup_logging(args.log_level)
+    try:
+        return args.func(args)
+    except VidarError as err:
+        print(f"vidar: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Typed configuration: YAML -> pydantic models that reject unknown keys.
+
+Every field has a docstring; `configs/*.yaml` comment every key. Errors name the key
+path (``models.vit.max_batch``) and what is allowed, and `load_config` turns pydantic's
+errors into one `ConfigError` with one line per problem.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=False)
+
+
+STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class StreamConfig(_Strict):
+    id: str
+    """Stream id: letters, digits, '_' or '-'. Used in topics (`vit.<id>`) and metrics."""
+    url: str
+    """rtsp://..., a file path (any container PyAV opens), or synthetic://shapes?size=WxH&fps=N."""
+    mode: Literal["live", "offline"] = "live"
+    """live: paced, drop-oldest when slow, deadlines apply. offline: every frame, back-pressure."""
+    loop: bool = False
+    """Files only: start again at the end instead of ending the stream (demo footage)."""
+
+    @field_validator("id")
+    @classmethod
+    def _id_ok(cls, v: str) -> str:
+        if not STREAM_ID_RE.match(v):
+            raise ValueError(f"stream id {v!r} must match {STREAM_ID_RE.pattern} (it is used in topics)")
+        return v
+
+
+class BudgetConfig(_Strict):
+    latency_ms: float = Field(17.0, gt=0)
+    """End-to-end budget: a frame's deadline is its capture time + this. Late frames are dropped."""
+    max_batch_wait_ms: float = Field(4.0, ge=0)
+    """Longest a frame waits for a batch to fill when the worker is idle (Triton-style queue delay)."""
+
+
+class VitConfig(_Strict):
+    name: str = "vit_large_patch16_224"
+    """Any timm image classifier (ViTs, ConvNets, ...)."""
+    weights: str = "pretrained"
+    """pretrained (timm download; needs internet) | random (warned, marked) | path to a state_dict."""
+    max_batch: int = Field(8, ge=1, le=256)
+    """Largest batch the scheduler forms."""
+    topk: int = Field(5, ge=1, le=1000)
+    """Classes per result, as [class_index, label, probability]."""
+    embedding: bool = False
+    """Also publish the pooled pre-logits embedding as float16 bytes."""
+    preprocess: Literal["fast", "exact"] = "fast"
+    """fast: the model's preprocessing on uint8 tensors (GPU when present). exact: timm's own PIL transform."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto picks cuda when available."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: bfloat16 on cuda, float32 on cpu."""
+    threads: Optional[int] = Field(None, ge=1)
+    """CPU intra-op threads for this model (default: torch's)."""
+
+
+class ModelsConfig(_Strict):
+    vit: Optional[VitConfig] = Field(default_factory=VitConfig)
+    """The classification pool. null disables it."""
+
+
+class PublishConfig(_Strict):
+    endpoint: str = "tcp://127.0.0.1:5556"
+    """ZeroMQ endpoint the publisher binds."""
+    hwm: int = Field(1000, ge=1)
+    """Per-subscriber queue bound (messages). Live: a full queue drops and counts; offline: waits."""
+    queue_size: int = Field(1024, ge=1)
+    """Bound of the queue between the data plane and the publisher thread."""
+    min_subscribers: int = Field(0, ge=0)
+    """Wait for this many subscribers before streams start (useful for offline runs)."""
+    wait_subscribers_s: float = Field(30.0, gt=0)
+    """How long to wait for min_subscribers before failing."""
+
+
+class RingConfig(_Strict):
+    memory_mb: float = Field(64.0, gt=0)
+    """Frame memory per stream; slots = memory / frame size, clamped to [min_slots, max_slots]."""
+    min_slots: int = Field(4, ge=2)
+    """At least this many slots (must exceed max_batch so decode and inference overlap)."""
+    max_slots: int = Field(64, ge=2)
+    """At most this many slots."""
+    max_frame_pixels: int = Field(8192 * 8192, gt=0)
+    """Frames larger than this are rejected before any allocation."""
+
+
+class SourceConfig(_Strict):
+    open_timeout_s: float = Field(5.0, gt=0)
+    """Network sources: timeout to open (PyAV timeout=(open, read))."""
+    read_timeout_s: float = Field(5.0, gt=0)
+    """Network sources: timeout of one read. PyAV notices a hung server after about twice this."""
+    reconnect_initial_s: float = Field(0.5, gt=0)
+    """First reconnect delay after a network stream ends or fails."""
+    reconnect_max_s: float = Field(30.0, gt=0)
+    """Cap of the exponential reconnect backoff."""
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    """Serve Prometheus metrics."""
+    host: str = "127.0.0.1"
+    """Bind address of the metrics endpoint."""
+    port: int = Field(9108, ge=0, le=65535)
+    """Port of the metrics endpoint (/metrics)."""
+
+
+class StatusConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)
+    """Seconds between status lines (live) or progress lines (offline)."""
+
+
+class EngineConfig(_Strict):
+    streams: list[StreamConfig] = Field(min_length=1)
+    """The streams to read."""
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    """Latency budget and batching delay."""
+    models: ModelsConfig = Field(default_factory=ModelsConfig)
+    """Model pools."""
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    """Where and how results go out."""
+    ring: RingConfig = Field(default_factory=RingConfig)
+    """Per-stream frame rings."""
+    source: SourceConfig = Field(default_factory=SourceConfig)
+    """Timeouts and reconnect policy of sources."""
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    """Prometheus endpoint."""
+    status: StatusConfig = Field(default_factory=StatusConfig)
+    """Console status line."""
+    shutdown_timeout_s: float = Field(5.0, gt=0)
+    """On SIGINT/SIGTERM: drain in-flight work for at most this long, then abort."""
+    on_cpu: dict[str, Any] = Field(default_factory=dict)
+    """Dotted-key overrides applied when no CUDA GPU is found (e.g. a smaller model, a larger budget)."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "EngineConfig":
+        ids = [s.id for s in self.streams]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate stream ids {dupes}: every streams[].id must be unique")
+        if self.ring.min_slots > self.ring.max_slots:
+            raise ValueError(
+                f"ring.min_slots ({self.ring.min_slots}) > ring.max_slots ({self.ring.max_slots}): raise max_slots")
+        if self.models.vit is not None and self.ring.max_slots < self.models.vit.max_batch + 1:
+            raise ValueError(
+                f"ring.max_slots ({self.ring.max_slots}) must exceed models.vit.max_batch "
+                f"({self.models.vit.max_batch}) so decoding can continue while a batch runs")
+        return self
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """Set `a.b.0.c` in nested dicts/lists, creating dicts on the way."""
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"--set {dotted}: {part!r} is not an index of a list of {len(node)}")
+            if last:
+                node[int(part)] = value
+            else:
+                node = node[int(part)]
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(parts[:i])} is not a mapping")
+        if last:
+            node[part] = value
+        else:
+            if node.get(part) is None:
+                node[part] = {}
+            node = node[part]
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`models.vit.max_batch=4` -> ("models.vit.max_batch", 4); the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. models.vit.max_batch=4")
+    key, _, raw = text.partition("=")
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+
+
+def _format_errors(err: ValidationError, source: str, tree: dict) -> str:
+    lines = [f"{source}: invalid configuration:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(e["loc"][:-1])
+            allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
+            lines.append(f"  {loc}: unknown key; allowed here: {allowed}")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})" if "input" in e and e["type"] != "missing"
+                         else f"  {loc}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def _model_at(loc: tuple) -> Optional[type[BaseModel]]:
+    """The pydantic model class found at a location, to list the keys allowed there."""
+    model: Any = EngineConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return None
+        ann = field.annotation
+        for cand in (ann, *getattr(ann, "__args__", ())):
+            inner = getattr(cand, "__args__", (cand,))
+            found = next((c for c in (cand, *inner) if isinstance(c, type) and issubclass(c, BaseModel)), None)
+            if found:
+                model = found
+                break
+        else:
+            return None
+    return model
+
+
+def build_config(tree: dict, *, source: str = "config", overrides: list[str] = (),
+                 cuda_available: Optional[bool] = None) -> tuple[EngineConfig, list[str]]:
+    """Validate a config tree after applying --set overrides and, without CUDA, `on_cpu`.
+
+    Returns the config and the list of on_cpu overrides that were applied (for the start-up note).
+    """
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping with at least 'streams'")
+    tree = copy.deepcopy(tree)
+    applied: list[str] = []
+    if cuda_available is None:
+        import torch
+        cuda_available = torch.cuda.is_available()
+    # on_cpu first, so an explicit --set still wins on a CPU machine
+    if not cuda_available and isinstance(tree.get("on_cpu"), dict):
+        for key, value in tree["on_cpu"].items():
+            _set_dotted(tree, key, value)
+            applied.append(f"{key}={value}")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    try:
+        return EngineConfig.model_validate(tree), applied
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source, tree)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = (), *,
+                cuda_available: Optional[bool] = None) -> tuple[EngineConfig, list[str]]:
+    """Read a YAML config file; see `build_config`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found; try configs/demo.yaml")
+    try:
+        tree = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML: {err}") from None
+    return build_config(tree, source=str(p), overrides=overrides, cuda_available=cuda_available)

@@ -1,0 +1,75 @@
+"""Prometheus metrics: per-stream frame counters read from `Accounting` at scrape time
+(so they are the same numbers the status line prints) and per-stage latency histograms."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .accounting import Accounting
+
+log = logging.getLogger("vidar.metrics")
+
+STAGES = ("decode", "queue_wait", "batch_wait", "inference", "publish")
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.017, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _AccountingCollector:
+    def __init__(self, accountings: Callable[[], Iterable[Accounting]], ring_overwrites: Callable[[], dict]):
+        self._accountings, self._ring_overwrites = accountings, ring_overwrites
+
+    def collect(self):
+        ing = CounterMetricFamily("vidar_frames_ingested", "Frames written into a stream's ring", labels=["stream", "pool"])
+        pub = CounterMetricFamily("vidar_frames_published", "Results published", labels=["stream", "pool"])
+        drop = CounterMetricFamily("vidar_frames_dropped", "Frames dropped, by reason", labels=["stream", "pool", "reason"])
+        fail = CounterMetricFamily("vidar_frames_failed", "Frames failed, by reason", labels=["stream", "pool", "reason"])
+        infl = GaugeMetricFamily("vidar_frames_in_flight", "Frames ingested and not yet terminal", labels=["stream", "pool"])
+        for acct in self._accountings():
+            for stream in acct.streams():
+                s = acct.snapshot(stream)
+                ing.add_metric([stream, acct.pool], s.ingested)
+                pub.add_metric([stream, acct.pool], s.published)
+                infl.add_metric([stream, acct.pool], s.in_flight)
+                for reason, n in s.dropped.items():
+                    drop.add_metric([stream, acct.pool, reason], n)
+                for reason, n in s.failed.items():
+                    fail.add_metric([stream, acct.pool, reason], n)
+        ovr = CounterMetricFamily("vidar_ring_overwrites", "Live frames overwritten in a full ring", labels=["stream"])
+        for stream, n in self._ring_overwrites().items():
+            ovr.add_metric([stream], n)
+        yield from (ing, pub, drop, fail, infl, ovr)
+
+
+class Metrics:
+    def __init__(self, accountings: Callable[[], Iterable[Accounting]], ring_overwrites: Callable[[], dict]):
+        self.registry = CollectorRegistry()  # per engine: tests run several engines in one process
+        self.registry.register(_AccountingCollector(accountings, ring_overwrites))
+        self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",
+                               ["pool", "stage"], buckets=_BUCKETS, registry=self.registry)
+        self._server = None
+
+    def observe(self, pool: str, stage: str, seconds: float) -> None:
+        self.stage.labels(pool, stage).observe(seconds)
+
+    def serve(self, host: str, port: int) -> None:
+        from prometheus_client import start_http_server
+        from .errors import ConfigError
+        try:
+            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise ConfigError(f"metrics.port: cannot serve on {host}:{port}: {err} "
+                              "(set metrics.port to a free port or metrics.enabled: false)") from None
+        log.info("metrics on http://%s:%d/metrics", host, self._server.server_port)
+
+    @property
+    def port(self) -> int | None:
+        return self._server.server_port if self._server else None
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,192 @@
+"""Per-stream frame rings: a fixed number of preallocated slots, sized from a memory budget.
+
+The decoder thread copies each decoded frame into a free slot (PyAV allocates its own
+output array and has no `out=`, so this is the one copy a frame gets); the worker reads the
+slot in place and releases it once its input batch is built. Slots are pinned when CUDA is
+available (pinning raises without a driver) so the upload is a DMA.
+
+live mode: when no slot is free, the oldest frame not yet taken by the scheduler is
+overwritten and counted as dropped(ring_full). offline mode: the writer waits (back-pressure).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from .accounting import Accounting
+from .errors import SourceError
+from .frame import DropReason, FrameMeta
+
+
+class SlotState(Enum):
+    FREE = 0
+    READY = 1     # holds a frame the scheduler has not taken
+    CLAIMED = 2   # taken by the scheduler or a worker
+
+
+@dataclass(slots=True)
+class FrameView:
+    """A frame in a ring slot. `pixels` is a (H, W, 3) uint8 RGB view, not a copy."""
+
+    meta: FrameMeta
+    pixels: torch.Tensor
+    ring: "FrameRing"
+    slot: int
+
+    def release(self) -> None:
+        self.ring.release(self.slot)
+
+    def __repr__(self) -> str:  # shapes, never pixels
+        return f"FrameView({self.meta.stream}#{self.meta.seq}, {tuple(self.pixels.shape)}, slot={self.slot})"
+
+
+def slots_for(frame_bytes: int, memory_bytes: float, min_slots: int, max_slots: int) -> int:
+    """Slots that fit the budget, clamped to [min_slots, max_slots]."""
+    return int(min(max_slots, max(min_slots, memory_bytes // max(frame_bytes, 1))))
+
+
+class FrameRing:
+    """Bounded ring of frames for one stream, single producer, single consumer pool."""
+
+    def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
+                 min_slots: int, max_slots: int, max_frame_pixels: int,
+                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None):
+        self.stream = stream
+        self.live = live
+        self._acct = accounting
+        self._memory_bytes = memory_bytes
+        self._min_slots, self._max_slots = min_slots, max_slots
+        self._max_pixels = max_frame_pixels
+        self._notify = notify
+        self._pin = torch.cuda.is_available() if pin is None else pin
+        self._cond = threading.Condition()
+        self._slots: list[Optional[torch.Tensor]] = []
+        self._arrays: list[Optional[np.ndarray]] = []
+        self._state: list[SlotState] = []
+        self._meta: list[Optional[FrameMeta]] = []
+        self._ready_order: list[int] = []  # READY slots, oldest first
+        self._closed = False
+        self.overwrites = 0
+        self.reallocations = 0
+
+    # -- producer side -------------------------------------------------------------------
+    def _allocate(self, h: int, w: int) -> None:
+        n = slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots)
+        self._slots = [None] * n
+        self._arrays = [None] * n
+        self._state = [SlotState.FREE] * n
+        self._meta = [None] * n
+
+    def _slot_array(self, i: int, h: int, w: int) -> np.ndarray:
+        arr = self._arrays[i]
+        if arr is None or arr.shape[0] != h or arr.shape[1] != w:
+            if arr is not None:
+                self.reallocations += 1  # frame size changed mid-stream: this slot follows it
+            t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
+            self._slots[i], self._arrays[i] = t, t.numpy()
+            arr = self._arrays[i]
+        return arr
+
+    def _free_slot(self) -> Optional[int]:
+        for i, s in enumerate(self._state):
+            if s is SlotState.FREE:
+                return i
+        return None
+
+    def write(self, meta: FrameMeta, rgb: np.ndarray, stop: Optional[threading.Event] = None) -> bool:
+        """Copy one (H, W, 3) uint8 frame into a slot. Returns False if the ring was closed.
+
+        Counts the frame as ingested. Live: never blocks. Offline: waits for a free slot.
+        """
+        h, w = int(rgb.shape[0]), int(rgb.shape[1])
+        if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+            raise SourceError(self.stream, f"decoder produced {rgb.dtype} {tuple(rgb.shape)}, expected HxWx3 uint8")
+        if h * w > self._max_pixels:
+            raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
+                                           "raise it if this stream is really that large")
+        with self._cond:
+            if not self._state:
+                self._allocate(h, w)
+            i = self._free_slot()
+            while i is None and not self._closed:
+                if self.live:
+                    if self._ready_order:  # drop-oldest: the frame the scheduler has not taken yet
+                        i = self._ready_order.pop(0)
+                        old = self._meta[i]
+                        self.overwrites += 1
+                        self._acct.ingest(self.stream)  # count the new frame before the old one's drop,
+                        self._acct.drop(old.stream, DropReason.RING_FULL)  # so in_flight never dips
+                        self._fill(i, meta, rgb, h, w)
+                        return True
+                    # every slot is held by the scheduler/worker: the new frame is the one dropped
+                    self._acct.ingest(self.stream)
+                    self._acct.drop(self.stream, DropReason.RING_FULL)
+                    self.overwrites += 1
+                    return True
+                self._cond.wait(0.1)
+                if stop is not None and stop.is_set():
+                    return False
+                i = self._free_slot()
+            if self._closed:
+                return False
+            self._acct.ingest(self.stream)
+            self._fill(i, meta, rgb, h, w)
+            return True
+
+    def _fill(self, i: int, meta: FrameMeta, rgb: np.ndarray, h: int, w: int) -> None:
+        # Copy under the lock: a 720p frame is ~0.3 ms and the consumer only takes READY slots.
+        np.copyto(self._slot_array(i, h, w), rgb)
+        meta.height, meta.width = h, w
+        meta.t_decoded = time.monotonic()
+        self._meta[i] = meta
+        self._state[i] = SlotState.READY
+        self._ready_order.append(i)
+        self._notify()
+
+    def close(self) -> None:
+        """No more frames will come (end of stream or stop). Wakes a waiting writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._notify()
+
+    # -- consumer side -------------------------------------------------------------------
+    def take_ready(self) -> list[FrameView]:
+        """Claim every READY frame, oldest first."""
+        with self._cond:
+            out = []
+            for i in self._ready_order:
+                self._state[i] = SlotState.CLAIMED
+                out.append(FrameView(self._meta[i], self._slots[i], self, i))
+            self._ready_order.clear()
+            return out
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._state[slot] = SlotState.FREE
+            self._meta[slot] = None
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def capacity(self) -> int:
+        return len(self._state)
+
+    def drained(self) -> bool:
+        """Closed and nothing left to take."""
+        with self._cond:
+            return self._closed and not self._ready_order
+
+    def held(self) -> int:
+        with self._cond:
+            return sum(s is not SlotState.FREE for s in self._state)

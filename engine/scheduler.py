@@ -1,0 +1,102 @@
+"""Earliest-deadline-first batch scheduler. Pure: no I/O, no model, no clock of its own.
+
+The pool calls `schedule(now)` whenever its worker is free and feeds measured run times
+back with `update`. Rules, in order:
+1. A frame that cannot finish by its deadline even in a batch of one is dropped now,
+   before any compute is spent (reason `deadline`).
+2. Frames are ordered by deadline (offline frames have none and go last, in arrival order).
+3. The batch size is the largest b <= max_batch whose predicted run time still meets the
+   earliest deadline in the batch.
+4. The batch is dispatched when it is full, when it cannot grow without missing a deadline,
+   when waiting for one more frame would miss the earliest deadline, or when its oldest
+   frame has waited `max_wait_s` (bounded batching delay). Otherwise `wake_at` says when to ask again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .latency import LatencyModel
+
+
+@dataclass(order=True)
+class _Entry:
+    deadline: float
+    order: int
+    enqueued: float = field(compare=False)
+    item: Any = field(compare=False)
+
+
+@dataclass
+class Plan:
+    batch: list = field(default_factory=list)     # items to run now, EDF order
+    dropped: list = field(default_factory=list)   # items dropped for their deadline
+    wake_at: Optional[float] = None               # ask again at this time if nothing new arrives
+
+
+class EdfScheduler:
+    """Items need a `deadline` attribute or are passed with one to `add`."""
+
+    def __init__(self, *, max_batch: int, latency: LatencyModel, max_wait_s: float = 0.004):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.latency = latency
+        self.max_wait_s = max_wait_s
+        self._pending: list[_Entry] = []
+        self._order = itertools.count()
+
+    def add(self, item: Any, *, deadline: float, now: float) -> None:
+        self._pending.append(_Entry(deadline, next(self._order), now, item))
+
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def remove(self, predicate) -> list:
+        """Take out every pending item for which predicate(item) is true (stream removed)."""
+        keep, out = [], []
+        for e in self._pending:
+            (out if predicate(e.item) else keep).append(e)
+        self._pending = keep
+        return [e.item for e in out]
+
+    def count(self, predicate) -> int:
+        return sum(1 for e in self._pending if predicate(e.item))
+
+    def update(self, batch_size: int, seconds: float) -> None:
+        self.latency.observe(batch_size, seconds)
+
+    def schedule(self, now: float) -> Plan:
+        plan = Plan()
+        est1 = self.latency.estimate(1)
+        keep = []
+        for e in self._pending:
+            (plan.dropped if now + est1 > e.deadline else keep).append(e)
+        plan.dropped = [e.item for e in plan.dropped]
+        if not keep:
+            self._pending = []
+            return plan
+        keep.sort()
+        self._pending = keep
+        first = keep[0]
+        n = min(self.max_batch, len(keep))
+        b = 1
+        while b < n and now + self.latency.estimate(b + 1) <= first.deadline:
+            b += 1
+        oldest = min(e.enqueued for e in keep)
+        full = b == self.max_batch
+        capped = b < n  # more frames are waiting but a bigger batch would miss a deadline
+        grow = min(b + 1, self.max_batch)
+        t_latest = first.deadline - self.latency.estimate(grow)  # last moment to wait for one more
+        t_wait = oldest + self.max_wait_s
+        if full or capped or now >= t_wait or (math.isfinite(t_latest) and now >= t_latest):
+            plan.batch = [e.item for e in keep[:b]]
+            self._pending = keep[b:]
+            if self._pending:
+                plan.wake_at = now
+        else:
+            plan.wake_at = min(t_wait, t_latest)
+        return plan

@@ -1,0 +1,47 @@
+"""Message schema (version `SCHEMA_VERSION`), shared by the publisher and the client.
+
+Every message is a two-frame ZeroMQ multipart: [topic, msgpack map].
+  results: topic `<type>.<stream>` (e.g. `vit.cam1`), map with v, type, stream, seq, pts,
+           t_capture, t_publish, latency_ms, weights and the model's fields (vit: topk, embedding)
+  events:  topic `event.<stream>`, map with v, type="event", stream, kind, reason, t
+The schema may grow (new keys); a change of meaning bumps `v`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgpack
+
+SCHEMA_VERSION = 1
+EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected")
+
+
+def result_message(kind: str, *, stream: str, seq: int, pts: float, t_capture: float, weights: str,
+                   fields: dict[str, Any], t_publish: float | None = None) -> dict[str, Any]:
+    t_pub = time.time() if t_publish is None else t_publish
+    msg = {"v": SCHEMA_VERSION, "type": kind, "stream": stream, "seq": seq, "pts": pts,
+           "t_capture": t_capture, "t_publish": t_pub, "latency_ms": (t_pub - t_capture) * 1e3,
+           "weights": weights}
+    msg.update(fields)
+    return msg
+
+
+def event_message(stream: str, kind: str, reason: str, t: float | None = None) -> dict[str, Any]:
+    if kind not in EVENT_KINDS:
+        raise ValueError(f"event kind {kind!r} not in {EVENT_KINDS}")
+    return {"v": SCHEMA_VERSION, "type": "event", "stream": stream, "kind": kind, "reason": reason,
+            "t": time.time() if t is None else t}
+
+
+def topic(kind: str, stream: str) -> bytes:
+    return f"{kind}.{stream}".encode()
+
+
+def pack(msg: dict[str, Any]) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)
+
+
+def unpack(payload: bytes) -> dict[str, Any]:
+    return msgpack.unpackb(payload, raw=False)

@@ -1,0 +1,1 @@
+"""Model workers, one module per model family, behind one small interface (`base.Worker`)."""

@@ -1,0 +1,121 @@
+"""Files and RTSP through PyAV (FFmpeg).
+
+Measured here (shared/STACK.md): when an RTSP server dies, PyAV's decode loop just ends as at
+end of file, so for network sources an ended loop is a disconnect (the runner reconnects),
+never an eos. A hung server is noticed only after about twice the read timeout, so a
+timeout is always passed. Corrupt packets are skipped and counted; FFmpeg resyncs at the
+next keyframe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+import av
+
+from engine.errors import SourceOpenError
+
+from .base import DecodedFrame, Source, redact_url
+
+_NOT_VIDEO_FORMATS = {"tty"}
+
+
+class _PyAVSource(Source):
+    def __init__(self, stream_id: str, url: str):
+        super().__init__(stream_id, url)
+        self._container = None
+        self._stream = None
+        self.decode_errors = 0
+
+    def _open_options(self) -> dict:
+        return {}
+
+    def open(self) -> None:
+        self.close()
+        try:
+            self._container = av.open(self.url, mode="r", **self._open_options())
+        except FileNotFoundError:
+            raise SourceOpenError(self.stream_id, f"file {self.display_url!r} not found") from None
+        except av.error.InvalidDataError:
+            raise SourceOpenError(self.stream_id, f"{self.display_url!r} is not a video FFmpeg can read "
+                                                  "(invalid data): check the path and the file") from None
+        except (av.error.FFmpegError, OSError) as err:  # FFmpeg's message quotes the URL: redact it
+            why = getattr(err, "strerror", None) or redact_url(str(err))
+            raise SourceOpenError(self.stream_id, f"cannot open {self.display_url!r}: {why}") from None
+        # FFmpeg probes any text file as ANSI-art "video" (format tty): that is not a video.
+        if self._container.format.name in _NOT_VIDEO_FORMATS:
+            self.close()
+            raise SourceOpenError(self.stream_id, f"{self.display_url!r} is not a video FFmpeg can read "
+                                                  "(it reads as text): check the path and the file")
+        if not self._container.streams.video:
+            self.close()
+            raise SourceOpenError(self.stream_id, f"{self.display_url!r} has no video stream (audio only?)")
+        self._stream = self._container.streams.video[0]
+        self._stream.thread_type = "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
+        rate = self._stream.average_rate or self._stream.guessed_rate
+        self.fps = float(rate) if rate else None
+
+    @property
+    def total_frames(self) -> Optional[int]:
+        if self._stream is None:
+            return None
+        if self._stream.frames:
+            return int(self._stream.frames)
+        if self._stream.duration and self._stream.time_base and self.fps:
+            return int(round(float(self._stream.duration * self._stream.time_base) * self.fps))
+        return None
+
+    def frames(self) -> Iterator[DecodedFrame]:
+        if self._container is None:
+            self.open()
+        tb = float(self._stream.time_base) if self._stream.time_base else 0.0
+        n = 0
+        t0 = time.perf_counter()
+        packets = self._container.demux(self._stream)
+        while True:
+            try:
+                packet = next(packets)
+            except StopIteration:
+                break
+            except av.error.FFmpegError:
+                self.decode_errors += 1  # unreadable packet: skip it, demuxing goes on
+                continue
+            try:
+                decoded = packet.decode()
+            except av.error.FFmpegError:
+                self.decode_errors += 1  # corrupt data: the decoder resyncs at the next keyframe
+                continue
+            for frame in decoded:
+                rgb = frame.to_ndarray(format="rgb24")
+                # The first RTSP frame can lack a pts: fall back to the frame index.
+                pts = frame.pts * tb if frame.pts is not None and tb else (n / self.fps if self.fps else 0.0)
+                t1 = time.perf_counter()
+                yield DecodedFrame(rgb, float(pts), t1 - t0)
+                n += 1
+                t0 = time.perf_counter()
+
+    def close(self) -> None:
+        if self._container is not None:
+            try:
+                self._container.close()
+            except av.error.FFmpegError:
+                pass
+        self._container = self._stream = None
+
+
+class FileSource(_PyAVSource):
+    """Any container PyAV opens. End of file ends the stream (or loops, if configured)."""
+
+
+class RtspSource(_PyAVSource):
+    """RTSP over TCP (no UDP loss), open and read timeouts always set."""
+
+    network = True
+
+    def __init__(self, stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 5.0):
+        super().__init__(stream_id, url)
+        self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
+
+    def _open_options(self) -> dict:
+        return {"options": {"rtsp_transport": "tcp"}, "timeout": (self.open_timeout_s, self.read_timeout_s)}

@@ -1,0 +1,105 @@
+"""synthetic://shapes?size=640x360&fps=30&frames=N&seed=0: a built-in moving test pattern.
+
+Deterministic (same seed, same pixels for frame n), textured (so a resize or a colour bug
+shows), and cheap: a background is rendered once and shapes are pasted by slicing.
+`frames` makes the stream finite (tests); without it the stream runs for ever (demo).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterator, Optional
+from urllib.parse import parse_qs, urlparse
+
+import numpy as np
+
+from engine.errors import SourceOpenError
+
+from .base import DecodedFrame, Source
+
+_PATTERNS = ("shapes",)
+
+
+def _parse(stream_id: str, url: str) -> dict:
+    u = urlparse(url)
+    pattern = u.netloc or u.path.strip("/")
+    if pattern not in _PATTERNS:
+        raise SourceOpenError(stream_id, f"unknown synthetic pattern {pattern!r} in {url!r}; allowed: {_PATTERNS}")
+    q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+    unknown = set(q) - {"size", "fps", "frames", "seed"}
+    if unknown:
+        raise SourceOpenError(stream_id, f"unknown synthetic parameters {sorted(unknown)}; allowed: size, fps, frames, seed")
+    try:
+        w, h = (int(x) for x in q.get("size", "640x360").lower().split("x"))
+        fps = float(q.get("fps", 30))
+        frames = int(q["frames"]) if "frames" in q else None
+        seed = int(q.get("seed", 0))
+    except ValueError:
+        raise SourceOpenError(stream_id, f"bad synthetic parameters in {url!r}: size=WxH, fps=number, frames=int, seed=int") from None
+    if not (16 <= w <= 8192 and 16 <= h <= 8192 and 0 < fps <= 1000) or (frames is not None and frames < 1):
+        raise SourceOpenError(stream_id, f"synthetic parameters out of range in {url!r}: 16<=W,H<=8192, 0<fps<=1000, frames>=1")
+    return {"w": w, "h": h, "fps": fps, "frames": frames, "seed": seed}
+
+
+def render_background(w: int, h: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:h, 0:w].astype(np.float32)
+    bg = np.empty((h, w, 3), np.float32)
+    bg[..., 0] = 90 + 60 * np.sin(x / 37.0)
+    bg[..., 1] = 80 + 50 * np.cos(y / 23.0)
+    bg[..., 2] = 120 + 40 * np.sin((x + y) / 51.0)
+    bg += ((x // 16 + y // 16) % 2)[..., None] * 25  # checker texture
+    bg += rng.normal(0, 6, size=(h, w, 1)).astype(np.float32)  # film grain
+    return np.clip(bg, 0, 255).astype(np.uint8)
+
+
+class SyntheticSource(Source):
+    def __init__(self, stream_id: str, url: str):
+        super().__init__(stream_id, url)
+        p = _parse(stream_id, url)
+        self.w, self.h, self.fps, self._n, self.seed = p["w"], p["h"], p["fps"], p["frames"], p["seed"]
+        self._bg: Optional[np.ndarray] = None
+        rng = np.random.default_rng(self.seed + 1)
+        s = min(self.w, self.h)
+        # (size, colour, phase, speed) of three shapes: a red square, a green disc, a blue bar
+        self._shapes = [(int(s * f), c, rng.uniform(0, 2 * math.pi), rng.uniform(0.5, 1.5))
+                        for f, c in ((0.25, (220, 40, 40)), (0.2, (40, 200, 60)), (0.15, (40, 60, 230)))]
+        d = self._shapes[1][0]
+        yy, xx = np.mgrid[0:d, 0:d] - (d - 1) / 2
+        self._disc = (xx * xx + yy * yy) <= (d / 2) ** 2
+
+    def open(self) -> None:
+        if self._bg is None:
+            self._bg = render_background(self.w, self.h, self.seed)
+
+    @property
+    def total_frames(self) -> Optional[int]:
+        return self._n
+
+    def render(self, n: int) -> np.ndarray:
+        """Frame n (deterministic)."""
+        self.open()
+        img = self._bg.copy()
+        t = n / self.fps
+        for k, (size, colour, phase, speed) in enumerate(self._shapes):
+            cx = int((self.w - size) * (0.5 + 0.45 * math.sin(speed * t + phase)))
+            cy = int((self.h - size) * (0.5 + 0.45 * math.cos(0.7 * speed * t + phase * (k + 1))))
+            cx, cy = max(0, min(cx, self.w - size)), max(0, min(cy, self.h - size))
+            patch = img[cy:cy + size, cx:cx + size]
+            if k == 1:
+                patch[self._disc] = colour
+            elif k == 2:
+                patch[size // 3: 2 * size // 3, :] = colour
+            else:
+                patch[:] = colour
+                patch[::8, :] //= 2  # stripes: texture inside the shape
+        return img
+
+    def frames(self) -> Iterator[DecodedFrame]:
+        n = 0
+        while self._n is None or n < self._n:
+            t0 = time.perf_counter()
+            img = self.render(n)
+            yield DecodedFrame(img, n / self.fps, time.perf_counter() - t0)
+            n += 1

@@ -1,0 +1,98 @@
+import pytest
+
+from engine.config import build_config, load_config, parse_override
+from engine.errors import ConfigError
+
+GOOD = {"streams": [{"id": "cam1", "url": "synthetic://shapes"}]}
+
+
+def tree(**patch):
+    import copy
+    t = copy.deepcopy(GOOD)
+    for dotted, value in patch.items():
+        node = t
+        *parents, last = dotted.split("__")
+        for p in parents:
+            node = node[int(p)] if p.isdigit() else node.setdefault(p, {})
+        node[last] = value
+    return t
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, mode, url"),
+    ({"models__vit__nam": "x"}, r"models\.vit\.nam: unknown key; allowed here: .*max_batch.*name"),
+    ({"budgett": {}}, r"budgett: unknown key"),
+    ({"streams__0__mode": "realtime"}, r"streams\.0\.mode: Input should be 'live' or 'offline'"),
+    ({"models__vit__max_batch": 0}, r"models\.vit\.max_batch: Input should be greater than or equal to 1"),
+    ({"models__vit__max_batch": "eight"}, r"models\.vit\.max_batch: Input should be a valid integer"),
+    ({"budget__latency_ms": -5}, r"budget\.latency_ms: Input should be greater than 0"),
+    ({"source__read_timeout_s": -1}, r"source\.read_timeout_s: Input should be greater than 0"),
+    ({"streams__0__id": "cam 1"}, r"streams\.0\.id: .*must match"),
+    ({"models__vit__preprocess": "pil"}, r"models\.vit\.preprocess: Input should be 'fast' or 'exact'"),
+    ({"streams": []}, r"streams: List should have at least 1 item"),
+    ({"ring__max_slots": 4}, r"ring\.max_slots \(4\) must exceed models\.vit\.max_batch \(8\)"),
+], ids=lambda v: str(v)[:40])
+def test_config_errors_name_the_key(patch, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(tree(**patch), cuda_available=True)
+
+
+def test_duplicate_stream_ids():
+    t = {"streams": [{"id": "a", "url": "x.mp4"}, {"id": "a", "url": "y.mp4"}]}
+    with pytest.raises(ConfigError, match=r"duplicate stream ids \['a'\]"):
+        build_config(t, cuda_available=True)
+
+
+def test_defaults_follow_the_contract():
+    cfg, applied = build_config(GOOD, cuda_available=True)
+    assert applied == []
+    assert cfg.streams[0].mode == "live"
+    assert cfg.budget.latency_ms == 17
+    assert cfg.models.vit.name == "vit_large_patch16_224"
+    assert cfg.models.vit.weights == "pretrained"
+    assert (cfg.models.vit.max_batch, cfg.models.vit.topk, cfg.models.vit.embedding) == (8, 5, False)
+    assert cfg.publish.endpoint == "tcp://127.0.0.1:5556"
+    assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", 9108)
+
+
+def test_set_overrides_and_on_cpu():
+    t = dict(GOOD, on_cpu={"models.vit.name": "vit_tiny_patch16_224", "budget.latency_ms": 200})
+    cfg, applied = build_config(t, overrides=["models.vit.max_batch=4", "streams.0.mode=offline"], cuda_available=False)
+    assert cfg.models.vit.max_batch == 4 and cfg.streams[0].mode == "offline"
+    assert cfg.models.vit.name == "vit_tiny_patch16_224" and cfg.budget.latency_ms == 200
+    assert applied == ["models.vit.name=vit_tiny_patch16_224", "budget.latency_ms=200"]
+    cfg_gpu, applied_gpu = build_config(t, cuda_available=True)
+    assert cfg_gpu.models.vit.name == "vit_large_patch16_224" and applied_gpu == []
+
+
+@pytest.mark.parametrize("text, message", [
+    ("models.vit.max_batch", "expected KEY=VALUE"),
+    ("streams.3.mode=live", "not an index of a list of 1"),
+    ("models.vit.max_batch=zero", r"models\.vit\.max_batch: Input should be a valid integer"),
+    ("models.vit.bogus=1", r"models\.vit\.bogus: unknown key"),
+])
+def test_bad_overrides(text, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(GOOD, overrides=[text], cuda_available=True)
+
+
+def test_parse_override_yaml_values():
+    assert parse_override("a.b=4") == ("a.b", 4)
+    assert parse_override("a.b=true") == ("a.b", True)
+    assert parse_override("a.b=x.mp4") == ("a.b", "x.mp4")
+
+
+def test_shipped_configs_are_valid():
+    for path in ("configs/demo.yaml", "configs/example-rtsp.yaml"):
+        for cuda in (True, False):
+            cfg, _ = load_config(path, cuda_available=cuda)
+            assert cfg.streams
+
+
+def test_missing_and_broken_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("streams: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)

@@ -1,0 +1,106 @@
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine.accounting import Accounting
+from engine.errors import SourceError
+from engine.frame import FrameMeta
+from engine.ring import FrameRing, slots_for
+
+
+def ring(live=True, slots=3, max_pixels=10**8):
+    acct = Accounting("vit")
+    r = FrameRing("s", live=live, accounting=acct, memory_bytes=slots * 8 * 8 * 3, min_slots=2,
+                  max_slots=slots, max_frame_pixels=max_pixels, pin=False)
+    return r, acct
+
+
+def frame(seq, value=None, h=8, w=8):
+    return FrameMeta("s", seq, seq / 30, time.time(), deadline=math.inf), np.full((h, w, 3), seq if value is None else value, np.uint8)
+
+
+def test_slots_from_memory_budget():
+    assert slots_for(1280 * 720 * 3, 64 * 2**20, 4, 64) == 24
+    assert slots_for(1280 * 720 * 3, 1, 4, 64) == 4
+    assert slots_for(16 * 16 * 3, 2**30, 4, 64) == 64
+
+
+def test_zero_copy_read_and_release():
+    r, acct = ring()
+    r.write(*frame(7))
+    (fv,) = r.take_ready()
+    assert fv.meta.seq == 7 and int(fv.pixels[0, 0, 0]) == 7 and fv.pixels.shape == (8, 8, 3)
+    assert fv.pixels.data_ptr() == r._slots[fv.slot].data_ptr()  # a view of the slot, not a copy
+    assert r.held() == 1
+    fv.release()
+    assert r.held() == 0 and acct.snapshot("s").ingested == 1
+
+
+def test_live_overwrites_oldest_and_counts():
+    r, acct = ring(live=True, slots=3)
+    for i in range(5):
+        assert r.write(*frame(i))
+    got = [fv.meta.seq for fv in r.take_ready()]
+    assert got == [2, 3, 4]
+    s = acct.snapshot("s")
+    assert s.ingested == 5 and s.dropped == {"ring_full": 2} and s.in_flight == 3 and s.balanced()
+    assert r.overwrites == 2
+
+
+def test_live_drops_new_frame_when_every_slot_is_claimed():
+    r, acct = ring(live=True, slots=2)
+    r.write(*frame(0)), r.write(*frame(1))
+    held = r.take_ready()
+    r.write(*frame(2))
+    assert acct.snapshot("s").dropped == {"ring_full": 1}
+    assert r.take_ready() == []
+    for fv in held:
+        fv.release()
+
+
+def test_offline_back_pressure_blocks_then_resumes():
+    r, acct = ring(live=False, slots=2)
+    r.write(*frame(0)), r.write(*frame(1))
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (r.write(*frame(2)), done.set()))
+    t.start()
+    assert not done.wait(0.3)  # blocked: no slot free, nothing dropped
+    first = r.take_ready()
+    first[0].release()
+    assert done.wait(2)
+    t.join()
+    assert acct.snapshot("s").dropped == {}
+    assert [fv.meta.seq for fv in r.take_ready()] == [2]
+
+
+def test_close_wakes_a_blocked_writer():
+    r, _ = ring(live=False, slots=2)
+    r.write(*frame(0)), r.write(*frame(1))
+    result = []
+    t = threading.Thread(target=lambda: result.append(r.write(*frame(2))))
+    t.start()
+    time.sleep(0.1)
+    r.close()
+    t.join(2)
+    assert result == [False] and not t.is_alive()
+
+
+def test_rejects_absurd_and_malformed_frames():
+    r, acct = ring(max_pixels=100)
+    with pytest.raises(SourceError, match=r"frame 16x16 exceeds ring.max_frame_pixels=100"):
+        r.write(*frame(0, h=16, w=16))
+    with pytest.raises(SourceError, match="expected HxWx3 uint8"):
+        r.write(FrameMeta("s", 0, 0, 0), np.zeros((4, 4), np.uint8))
+    assert acct.snapshot("s").ingested == 0
+
+
+def test_size_change_reallocates_the_slot():
+    r, _ = ring(slots=2)
+    r.write(*frame(0))
+    r.take_ready()[0].release()
+    r.write(*frame(1, h=4, w=6))
+    (fv,) = r.take_ready()
+    assert fv.pixels.shape == (4, 6, 3) and r.reallocations == 1

@@ -1,0 +1,125 @@
+"""The scheduler driven step by step with a fake clock: no model, no sleep."""
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from engine.latency import LatencyModel
+from engine.scheduler import EdfScheduler
+
+
+@dataclass
+class Item:
+    name: str
+    deadline: float
+
+
+def make(max_batch=4, max_wait=0.004, times=None):
+    lat = LatencyModel()
+    for b, s in (times or {1: 0.010, 4: 0.025}).items():
+        lat.observe(b, s)
+    return EdfScheduler(max_batch=max_batch, latency=lat, max_wait_s=max_wait)
+
+
+def add(s, now, *items):
+    for it in items:
+        s.add(it, deadline=it.deadline, now=now)
+
+
+def names(items):
+    return [i.name for i in items]
+
+
+def test_earliest_deadline_first_across_streams():
+    s = make(max_batch=2)
+    add(s, 0.0, Item("b1", 0.30), Item("a1", 0.10), Item("c1", 0.20))
+    plan = s.schedule(0.0)
+    assert names(plan.batch) == ["a1", "c1"]
+    assert names(s.schedule(0.0).batch) == [] and s.pending() == 1  # b1 waits for a partner...
+    assert names(s.schedule(0.005).batch) == ["b1"]                   # ...but not longer than max_wait
+
+
+def test_drops_frames_that_cannot_meet_their_deadline_before_compute():
+    s = make()
+    est1 = s.latency.estimate(1)
+    add(s, 0.0, Item("doomed", 0.5 * est1), Item("ok", 1.0))
+    plan = s.schedule(0.0)
+    assert names(plan.dropped) == ["doomed"]
+    assert "doomed" not in names(plan.batch)
+
+
+def test_batch_size_limited_by_the_earliest_deadline():
+    s = make(max_batch=4, times={1: 0.010, 2: 0.018, 3: 0.026, 4: 0.034})
+    tight = s.latency.estimate(2) + 0.001  # room for a batch of 2, not 3
+    add(s, 0.0, Item("t", tight), *(Item(f"x{i}", 1.0) for i in range(5)))
+    plan = s.schedule(0.0)
+    assert names(plan.batch) == ["t", "x0"]
+    assert plan.wake_at == 0.0  # more is pending: ask again at once
+
+
+def test_full_batch_dispatches_immediately():
+    s = make(max_batch=4)
+    add(s, 0.0, *(Item(f"f{i}", 10.0) for i in range(4)))
+    assert len(s.schedule(0.0).batch) == 4
+
+
+def test_waits_for_a_batch_then_dispatches_at_max_wait():
+    s = make(max_batch=4, max_wait=0.004)
+    add(s, 0.0, Item("a", 10.0))
+    plan = s.schedule(0.0)
+    assert plan.batch == [] and plan.wake_at == pytest.approx(0.004)
+    add(s, 0.002, Item("b", 10.0))
+    assert s.schedule(0.003).batch == []
+    assert names(s.schedule(0.004).batch) == ["a", "b"]
+
+
+def test_dispatches_early_when_waiting_longer_would_miss_the_deadline():
+    s = make(max_batch=4, max_wait=1.0)  # a long allowed wait: the deadline must cut it short
+    est2 = s.latency.estimate(2)
+    add(s, 0.0, Item("a", 0.050))
+    plan = s.schedule(0.0)
+    assert plan.batch == [] and plan.wake_at == pytest.approx(0.050 - est2)
+    assert s.schedule(plan.wake_at - 1e-6).batch == []
+    assert names(s.schedule(plan.wake_at).batch) == ["a"]
+
+
+def test_offline_frames_have_no_deadline_and_go_after_live_ones():
+    s = make(max_batch=2)
+    add(s, 0.0, Item("off1", math.inf), Item("off2", math.inf), Item("live", 1.0))
+    plan = s.schedule(10.0)  # offline frames are never dropped, however late it is
+    assert plan.dropped == [Item("live", 1.0)]
+    assert names(plan.batch) == ["off1", "off2"]
+
+
+def test_learns_latency_online():
+    s = make(max_batch=2, times={1: 0.010})
+    for _ in range(30):
+        s.update(1, 0.050)  # the model became slower
+    assert s.latency.estimate(1) == pytest.approx(0.050, rel=0.05)
+    add(s, 0.0, Item("a", 0.030))
+    assert names(s.schedule(0.0).dropped) == ["a"]
+
+
+def test_remove_and_count():
+    s = make()
+    add(s, 0.0, Item("a", 1.0), Item("b", 1.0))
+    assert s.count(lambda i: i.name == "a") == 1
+    assert names(s.remove(lambda i: i.name == "a")) == ["a"] and s.pending() == 1
+
+
+def test_latency_model_interpolates_conservatively():
+    lat = LatencyModel(k=0.0)
+    assert lat.estimate(3) == 0.0  # nothing measured: the prior
+    lat.observe(2, 0.020)
+    lat.observe(8, 0.080)
+    assert lat.estimate(1) == pytest.approx(0.020)    # below the smallest: not optimistic
+    assert lat.estimate(5) == pytest.approx(0.050)    # between: linear
+    assert lat.estimate(16) == pytest.approx(0.160)   # above: linear scaling
+    with pytest.raises(ValueError, match="alpha"):
+        LatencyModel(alpha=0)
+
+
+def test_rejects_bad_max_batch():
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        EdfScheduler(max_batch=0, latency=LatencyModel())
