@@ -56,11 +56,14 @@ class Engine:
         self.dead_reason: Optional[str] = None
 
     # -- start ------------------------------------------------------------------------------
-    def _build_workers(self) -> dict[str, Worker]:
-        workers = dict(self._injected)
-        if "vit" not in workers and self.cfg.models.vit is not None:
+    def _build_workers(self) -> dict[str, list[Worker]]:
+        workers = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in self._injected.items()}
+        vit = self.cfg.models.vit
+        if "vit" not in workers and vit is not None:
             from .workers.classify import ClassifierWorker
-            workers["vit"] = ClassifierWorker(self.cfg.models.vit)
+            first = ClassifierWorker(vit)  # loads the model once; the other instances share it
+            workers["vit"] = [first] + [ClassifierWorker(vit, model=first.model, weights_tag=first.weights_tag)
+                                        for _ in range(vit.workers - 1)]
         if not workers:
             raise ConfigError("models: no model pool configured; set models.vit")
         return workers
@@ -73,9 +76,10 @@ class Engine:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
-        max_batch = cfg.models.vit.max_batch if cfg.models.vit else 1
-        for name, worker in self._build_workers().items():
-            pool = Pool(name, worker, max_batch=max_batch, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
+        vit = cfg.models.vit
+        for name, workers in self._build_workers().items():
+            pool = Pool(name, workers, max_batch=vit.max_batch if vit else 1,
+                        max_wait_s=cfg.budget.max_batch_wait_ms / 1e3, threads=vit.threads if vit else None,
                         publisher=self.publisher, metrics=self.metrics, on_stream_done=self._pool_done)
             pool.warmup()
             self.pools[name] = pool
@@ -176,7 +180,8 @@ class Engine:
         if self.publisher:
             self.publisher.close(timeout=max(1.0, t_end - time.monotonic()))
         for pool in self.pools.values():
-            pool.worker.close()
+            for worker in pool.workers:
+                worker.close()
         if self.metrics:
             self.metrics.close()
         self.state = "stopped"

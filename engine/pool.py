@@ -1,8 +1,10 @@
-"""One model pool: a thread that pulls frames from the rings, asks the scheduler, runs the worker.
+"""One model pool: a dispatcher thread, a pure scheduler, and one or more worker threads.
 
-The pool thread is the only one that touches its scheduler and worker. It pulls frames only
-when its worker is free, so while a batch runs new frames stay in the rings, where live
-rings can overwrite the oldest (drop-oldest) and offline rings push back on the decoder.
+The dispatcher is the only thread that touches the scheduler. It pulls frames from the rings
+only when a worker is idle, so while every worker is busy new frames stay in the rings, where
+live rings overwrite the oldest (drop-oldest) and offline rings push back on the decoder.
+Results are published in dispatch order (a small reorder buffer), so each stream's results
+stay in sequence even when several workers finish out of order.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
-from typing import Callable, Optional
+from collections import Counter, deque
+from typing import Callable, Optional, Sequence
 
 from .accounting import Accounting
-from .frame import DropReason, FailReason
+from .executor import BatchResult, WorkerThread
+from .frame import DropReason
 from .latency import LatencyModel
 from .metrics import Metrics
 from .publisher import Publisher
@@ -28,22 +31,33 @@ LOG_EVERY_S = 5.0  # drops are logged in aggregate, never per frame
 
 
 class Pool:
-    def __init__(self, name: str, worker: Worker, *, max_batch: int, max_wait_s: float, publisher: Publisher,
-                 metrics: Optional[Metrics] = None, on_stream_done: Callable[[str, str], None] = lambda p, s: None,
+    def __init__(self, name: str, workers: Sequence[Worker], *, max_batch: int, max_wait_s: float,
+                 publisher: Publisher, threads: Optional[int] = None, metrics: Optional[Metrics] = None,
+                 on_stream_done: Callable[[str, str], None] = lambda p, s: None,
                  clock: Callable[[], float] = time.monotonic):
-        self.name, self.worker = name, worker
+        if not workers:
+            raise ValueError("a pool needs at least one worker")
+        self.name, self.workers = name, list(workers)
+        self.worker = self.workers[0]
         self.acct = Accounting(name)
         self.scheduler = EdfScheduler(max_batch=max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
         self._publisher, self._metrics, self._on_done = publisher, metrics, on_stream_done
-        self._clock = clock
+        self._clock, self._threads = clock, threads
         self._rings: dict[str, FrameRing] = {}
         self._done: set[str] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()        # rings
+        self._out_lock = threading.Lock()    # reorder buffer and publication
+        self._completed: dict[int, BatchResult] = {}
+        self._next_publish = 0
+        self._next_batch = 0
+        self._timings: deque = deque()       # (batch size, seconds) from workers, for the scheduler
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"pool-{name}", daemon=True)
+        self._runners: list[WorkerThread] = []
         self._pending_log: Counter = Counter()
+        self._log_lock = threading.Lock()
         self._last_log = time.monotonic()
         self.batches = 0
         self.error: Optional[BaseException] = None
@@ -61,14 +75,17 @@ class Pool:
         sizes = sorted({1, self.scheduler.max_batch})
         for b, seconds in self.worker.warmup(sizes).items():
             self.scheduler.update(b, seconds)
-        log.info("pool %s: warm-up %s", self.name,
+        log.info("pool %s: %d worker(s); warm-up %s", self.name, len(self.workers),
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
 
     def start(self) -> None:
+        self._runners = [WorkerThread(self.name, i, w, threads=self._threads, on_done=self._completed_batch,
+                                      clock=self._clock) for i, w in enumerate(self.workers)]
         self._thread.start()
 
     def stop(self, *, drain: bool, timeout: float) -> bool:
-        """drain: finish what the rings and scheduler hold; else drop it. Returns True if the thread ended."""
+        """drain: finish what the rings and scheduler hold; else drop it. Returns True if every thread ended."""
+        t_end = time.monotonic() + timeout
         if not drain:
             self._abort.set()
         self._stop.set()
@@ -77,9 +94,47 @@ class Pool:
         if self._thread.is_alive():
             self._abort.set()
             self._thread.join(2.0)
-        return not self._thread.is_alive()
+        ok = not self._thread.is_alive()
+        for r in self._runners:
+            ok &= r.stop(max(0.1, t_end - time.monotonic()))
+        return ok
 
-    # -- thread body ------------------------------------------------------------------------
+    # -- dispatcher thread --------------------------------------------------------------------
+    def _idle_runner(self) -> Optional[WorkerThread]:
+        return next((r for r in self._runners if r.idle), None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._abort.is_set():
+                    self._abort_pending()
+                    return
+                self._wake.clear()  # before pulling: a frame written after this point re-sets it
+                while self._timings:
+                    self.scheduler.update(*self._timings.popleft())
+                runner = self._idle_runner()
+                wake_at = None
+                if runner is not None:
+                    now = self._clock()
+                    self._pull(now)
+                    plan = self.scheduler.schedule(now)
+                    for fv in plan.dropped:
+                        self._drop(fv, DropReason.DEADLINE)
+                    if plan.batch:
+                        self._dispatch(runner, plan.batch, now)
+                        continue
+                    wake_at = plan.wake_at
+                    if all(r.idle for r in self._runners):
+                        self._check_done()
+                        if self._stop.is_set() and self.scheduler.pending() == 0 and self._all_rings_idle():
+                            return
+                self._log_drops()
+                timeout = 0.1 if wake_at is None else max(0.0, min(0.1, wake_at - self._clock()))
+                self._wake.wait(timeout)
+        except BaseException as err:  # engine-dead: the engine reports it and exits non-zero
+            self.error = err
+            log.exception("pool %s: dispatcher crashed", self.name)
+
     def _pull(self, now: float) -> None:
         with self._lock:
             rings = list(self._rings.values())
@@ -91,30 +146,13 @@ class Pool:
                 fv.meta.extra["t_taken"] = now
                 self.scheduler.add(fv, deadline=fv.meta.deadline, now=now)
 
-    def _run(self) -> None:
-        try:
-            while True:
-                if self._abort.is_set():
-                    self._abort_pending()
-                    return
-                self._wake.clear()  # before pulling: a frame written after this point re-sets it
-                now = self._clock()
-                self._pull(now)
-                plan = self.scheduler.schedule(now)
-                for fv in plan.dropped:
-                    self._drop(fv, DropReason.DEADLINE)
-                if plan.batch:
-                    self._run_batch(plan.batch)
-                    continue
-                self._check_done()
-                if self._stop.is_set() and self.scheduler.pending() == 0 and self._all_rings_idle():
-                    return
-                self._log_drops()
-                timeout = 0.1 if plan.wake_at is None else max(0.0, min(0.1, plan.wake_at - self._clock()))
-                self._wake.wait(timeout)
-        except BaseException as err:  # engine-dead: the engine reports it and exits non-zero
-            self.error = err
-            log.exception("pool %s: crashed", self.name)
+    def _dispatch(self, runner: WorkerThread, batch: list[FrameView], now: float) -> None:
+        if self._metrics:
+            for fv in batch:
+                self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
+        batch_id = self._next_batch
+        self._next_batch += 1
+        runner.submit(batch_id, batch)
 
     def _all_rings_idle(self) -> bool:
         with self._lock:
@@ -122,49 +160,45 @@ class Pool:
 
     def _drop(self, fv: FrameView, reason: DropReason) -> None:
         self.acct.drop(fv.meta.stream, reason)
-        self._pending_log[(fv.meta.stream, reason.value)] += 1
+        self._note_drop(fv.meta.stream, reason)
         fv.release()
 
-    def _run_batch(self, batch: list[FrameView]) -> None:
-        t0 = self._clock()
-        for fv in batch:
-            if self._metrics:
-                self._metrics.observe(self.name, "batch_wait", max(0.0, t0 - fv.meta.extra.get("t_taken", t0)))
-        try:
-            inputs = self.worker.prepare(batch)
-        except Exception as err:
-            self._fail(batch, FailReason.PREPROCESS_ERROR, err)
+    def _note_drop(self, stream: str, reason: DropReason) -> None:
+        with self._log_lock:
+            self._pending_log[(stream, reason.value)] += 1
+
+    # -- completion (called on worker threads) ------------------------------------------------
+    def _completed_batch(self, res: BatchResult) -> None:
+        with self._out_lock:
+            self._completed[res.batch_id] = res
+            while self._next_publish in self._completed:
+                self._finish(self._completed.pop(self._next_publish))
+                self._next_publish += 1
+        self._runners[res.worker].idle = True
+        self.wake()
+
+    def _finish(self, res: BatchResult) -> None:
+        if res.fail_reason is not None:
+            for fv in res.frames:
+                self.acct.fail(fv.meta.stream, res.fail_reason)
+            log.error("pool %s: batch of %d failed (%s): %s: %s", self.name, len(res.frames),
+                      res.fail_reason.value, type(res.error).__name__, res.error)
             return
-        finally:
-            for fv in batch:
-                fv.release()  # the input batch is built: decoding may reuse the slots now
-        try:
-            outputs = self.worker.infer(inputs)
-            if len(outputs) != len(batch):
-                raise RuntimeError(f"worker returned {len(outputs)} outputs for {len(batch)} frames")
-        except Exception as err:
-            self._fail(batch, FailReason.MODEL_ERROR, err)
-            return
-        elapsed = self._clock() - t0
         self.batches += 1
-        self.scheduler.update(len(batch), elapsed)
+        self._timings.append((len(res.frames), res.elapsed))
         if self._metrics:
-            for _ in batch:
-                self._metrics.observe(self.name, "inference", elapsed)
+            for _ in res.frames:
+                self._metrics.observe(self.name, "inference", res.elapsed)
         now = self._clock()
-        for fv, fields in zip(batch, outputs):
+        worker = self.workers[res.worker]
+        for fv, fields in zip(res.frames, res.outputs):
             if fv.meta.live and now > fv.meta.deadline:
                 self.acct.drop(fv.meta.stream, DropReason.LATE)  # the model ran long: never publish late
-                self._pending_log[(fv.meta.stream, DropReason.LATE.value)] += 1
+                self._note_drop(fv.meta.stream, DropReason.LATE)
                 continue
-            self._publisher.submit_result(self.acct, fv.meta, self.worker.kind, self.worker.weights_tag, fields)
+            self._publisher.submit_result(self.acct, fv.meta, worker.kind, worker.weights_tag, fields)
 
-    def _fail(self, batch: list[FrameView], reason: FailReason, err: Exception) -> None:
-        for fv in batch:
-            self.acct.fail(fv.meta.stream, reason)
-        log.error("pool %s: batch of %d failed (%s): %s: %s", self.name, len(batch), reason.value,
-                  type(err).__name__, err)
-
+    # -- stream completion, abort, logs -------------------------------------------------------
     def _check_done(self) -> None:
         with self._lock:
             rings = [r for s, r in self._rings.items() if s not in self._done]
@@ -186,11 +220,12 @@ class Pool:
     def _log_drops(self) -> None:
         now = time.monotonic()
         if self._pending_log and now - self._last_log >= LOG_EVERY_S:
+            with self._log_lock:
+                counts, self._pending_log = self._pending_log, Counter()
             by_stream: dict[str, list[str]] = {}
-            for (stream, reason), n in sorted(self._pending_log.items()):
+            for (stream, reason), n in sorted(counts.items()):
                 by_stream.setdefault(stream, []).append(f"{n} {reason}")
             for stream, parts in by_stream.items():
                 log.info("stream %s: pool %s dropped %s in %.0f s", stream, self.name, ", ".join(parts),
                          now - self._last_log)
-            self._pending_log.clear()
             self._last_log = now

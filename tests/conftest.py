@@ -19,22 +19,11 @@ from engine.config import build_config
 from streams.synthetic import SyntheticSource
 
 
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    require = os.environ.get("VIDAR_REQUIRE_GPU") == "1"
-    for item in items:
-        if "gpu" in item.keywords:
-            if require:
-                item.add_marker(pytest.mark.xfail(reason="never", strict=True, run=False))
-                item.add_marker(pytest.mark.usefixtures("_gpu_required_but_missing"))
-            else:
-                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (set VIDAR_REQUIRE_GPU=1 to fail instead)"))
-
-
-@pytest.fixture
-def _gpu_required_but_missing():
-    pytest.fail("VIDAR_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
+def pytest_runtest_setup(item):
+    if "gpu" in item.keywords and not torch.cuda.is_available():
+        if os.environ.get("VIDAR_REQUIRE_GPU") == "1":
+            pytest.fail("VIDAR_REQUIRE_GPU=1 but torch.cuda.is_available() is False", pytrace=False)
+        pytest.skip("needs a CUDA GPU (set VIDAR_REQUIRE_GPU=1 to fail instead of skipping)")
 
 
 def free_port() -> int:

@@ -1,0 +1,36 @@
+# vidar: every target creates .venv and installs what it needs on first use.
+#   make run    the demo (built-in synthetic stream -> classification pool -> ZeroMQ)
+#   make test   the whole test suite (installs the RTSP test server's Debian packages if missing)
+#   make bench  benchmarks (not part of make test); results in benchmarks/RESULTS.md
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# The torch build that installs from local disk on our machines; override on others.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: run test bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+run: $(VENV)/.base
+	$(VENV)/bin/vidar run configs/demo.yaml
+
+test: $(VENV)/.test
+	bash scripts/install-rtsp-deps.sh
+	VIDAR_REQUIRE_RTSP=1 $(PY) -m pytest -q -p no:cacheprovider
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/bench_vit.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

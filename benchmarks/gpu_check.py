@@ -1,0 +1,103 @@
+"""The one script to run on a GPU machine: checks the CUDA paths, then times them.
+
+    python3 benchmarks/gpu_check.py            # writes $OUT/gpu_check.json (or benchmarks/results/)
+
+1. the GPU tests (tests/test_gpu.py) with VIDAR_REQUIRE_GPU=1, so nothing passes by skipping;
+2. ViT-L/16 (random weights) bf16 on the GPU: model-only latency per batch size, and the
+   upload + preprocessing cost of 720p uint8 frames from pinned memory;
+3. vidar live on N synthetic 1280x720 60 fps streams at the 17 ms budget: goodput
+   (share of frames published within their deadline) and p50/p99 latency, per stream count.
+Not run yet on a GPU: vidar's development machines have none (see README).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def timed(fn, reps=20):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"p50_ms": ts[len(ts) // 2] * 1e3, "p99_ms": ts[-1] * 1e3}
+
+
+def model_latency(results):
+    import timm
+    from engine.config import VitConfig
+    from engine.workers.classify import ClassifierWorker
+    from engine.ring import FrameView
+    w = ClassifierWorker(VitConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
+    for b in (1, 2, 4, 8):
+        x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
+        results[f"vitl_bf16_b{b}"] = timed(lambda: w.forward(x))
+    frames = [torch.randint(0, 255, (720, 1280, 3), dtype=torch.uint8).pin_memory() for _ in range(8)]
+    views = [FrameView(None, f, None, i) for i, f in enumerate(frames)]
+    results["prepare_720p_b8"] = timed(lambda: w.prepare(views))
+    w.close()
+
+
+def engine_goodput(results, streams: int, seconds: float = 10.0):
+    from engine.config import build_config
+    from engine.engine import Engine
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg, _ = build_config({
+        "streams": [{"id": f"s{i}", "url": "synthetic://shapes?size=1280x720&fps=60"} for i in range(streams)],
+        "models": {"vit": {"name": "vit_large_patch16_224", "weights": "random", "max_batch": 8}},
+        "budget": {"latency_ms": 17}, "publish": {"endpoint": f"tcp://127.0.0.1:{port}"},
+        "metrics": {"enabled": False}}, cuda_available=True)
+    eng = Engine(cfg)
+    eng.start()
+    time.sleep(seconds)
+    snaps = [eng.pools["vit"].acct.snapshot(f"s{i}") for i in range(streams)]
+    eng.stop()
+    ing = sum(s.ingested for s in snaps)
+    pub = sum(s.published for s in snaps)
+    results[f"live_{streams}x720p60_17ms"] = {
+        "goodput": pub / max(ing, 1), "ingested": ing, "published": pub,
+        "dropped": {k: sum(s.dropped.get(k, 0) for s in snaps) for k in {k for s in snaps for k in s.dropped}},
+        "p50_ms": max(s.p50_ms for s in snaps), "p99_ms": max(s.p99_ms for s in snaps)}
+
+
+def main():
+    out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+               "torch": torch.__version__}
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device")
+    env = dict(os.environ, VIDAR_REQUIRE_GPU="1")
+    t = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_classify.py"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    results["gpu_tests"] = {"rc": t.returncode, "tail": t.stdout[-2000:]}
+    print(t.stdout[-1500:], flush=True)
+    model_latency(results)
+    for n in (1, 4, 8):
+        engine_goodput(results, n)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    for k, v in results.items():
+        print(f"{k}: {v}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""GPU paths: pinned rings, preprocessing on the GPU, bf16 inference.
+
+Marked `gpu`: skipped without CUDA, and failing when VIDAR_REQUIRE_GPU=1 (see conftest.py).
+These have NOT run on the CPU-only machines vidar is developed on; benchmarks/gpu_check.py
+runs them on a GPU machine.
+"""
+
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from engine.accounting import Accounting
+from engine.config import VitConfig
+from engine.frame import FrameMeta
+from engine.ring import FrameRing
+from engine.workers.classify import ClassifierWorker
+from tests.conftest import decode_all
+from tests.test_classify import rel_err, seeded_model, timm_reference, views
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ring_slots_are_pinned_with_cuda():
+    r = FrameRing("g", live=True, accounting=Accounting("vit"), memory_bytes=2**20, min_slots=2, max_slots=4,
+                  max_frame_pixels=10**8)
+    r.write(FrameMeta("g", 0, 0.0, time.time(), deadline=math.inf), np.zeros((32, 32, 3), np.uint8))
+    (fv,) = r.take_ready()
+    assert fv.pixels.is_pinned()
+
+
+def test_cuda_fast_preprocessing_and_bf16_match_timm(clip48):
+    frames = decode_all(clip48)[::6]
+    model = seeded_model()
+    ref = timm_reference(model, frames)
+    for dtype in ("float32", "bfloat16"):
+        w = ClassifierWorker(VitConfig(name="test_vit", weights="random", device="cuda", dtype=dtype),
+                             model=seeded_model(), weights_tag="random")
+        x = w.prepare(views(frames))
+        assert x.is_cuda and x.dtype == getattr(torch, dtype)
+        out = w.forward(x)[0].cpu()
+        assert rel_err(out, ref) <= (5e-3 if dtype == "float32" else 5e-2), dtype
+        assert torch.equal(out.argmax(-1), ref.argmax(-1)), dtype
