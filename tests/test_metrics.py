@@ -1,0 +1,37 @@
+"""The Prometheus endpoint serves the same numbers as the accounting (and the status line)."""
+
+import time
+import urllib.request
+
+from engine.engine import Engine
+from engine.runtime import StatusPrinter
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config, free_port
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def test_metrics_endpoint_matches_accounting(endpoint):
+    port = free_port()
+    cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=30", "mode": "offline"}],
+                        endpoint, metrics={"enabled": True, "port": port})
+    eng = Engine(cfg, workers={"vit": NullWorker(per_frame_s=0.002)})
+    eng.start()
+    t_end = time.monotonic() + 30
+    while not eng.finished() and time.monotonic() < t_end:
+        time.sleep(0.05)
+    m = scrape(port)
+    s = eng.pools["vit"].acct.snapshot("m1")
+    lines = StatusPrinter(eng).lines()
+    eng.stop()
+    assert m['vidar_frames_ingested_total{pool="vit",stream="m1"}'] == s.ingested == 30
+    assert m['vidar_frames_published_total{pool="vit",stream="m1"}'] == s.published == 30
+    assert m['vidar_frames_in_flight{pool="vit",stream="m1"}'] == 0
+    for stage in ("decode", "queue_wait", "batch_wait", "inference"):
+        assert m[f'vidar_stage_seconds_count{{pool="vit",stage="{stage}"}}'] == 30
+    assert m['vidar_stage_seconds_count{pool="all",stage="publish"}'] == 30
+    assert "30/30 frames" in lines[0]
