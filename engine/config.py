@@ -74,9 +74,56 @@ class VitConfig(_Strict):
     """Intra-op threads per worker instance on the CPU (default: torch's)."""
 
 
+class Sam2Config(_Strict):
+    config: str = "sam2.1_hiera_t"
+    """Any config shipped in the sam2 package: sam2.1_hiera_t, _s, _b+, _l (and the sam2 ones)."""
+    checkpoint: str = "random"
+    """Path to an official checkpoint ({"model": state_dict}, loaded strictly), or random (warned, marked)."""
+    image_size: int = Field(1024, ge=128, le=2048, multiple_of=32)
+    """Encoder input size; 512 or 256 trade accuracy for speed (feature sizes follow: size / 16)."""
+    encoders: int = Field(1, ge=1, le=16)
+    """Image-encoder instances in the pool (the decoder stage is one shared instance)."""
+    max_batch: int = Field(4, ge=1, le=64)
+    """Largest encoder batch (frames from any streams)."""
+    preprocess: Literal["fast", "exact"] = "fast"
+    """fast: tensor resize (GPU when present). exact: PIL, as sam2's own frame loader."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto picks cuda when available."""
+    threads: Optional[int] = Field(None, ge=1)
+    """Intra-op threads per encoder instance on the CPU."""
+
+
 class ModelsConfig(_Strict):
     vit: Optional[VitConfig] = Field(default_factory=VitConfig)
     """The classification pool. null disables it."""
+    sam2: Optional[Sam2Config] = None
+    """The SAM 2 tracking pool (off unless configured)."""
+
+
+class ObjectConfig(_Strict):
+    stream: str
+    """Stream id the object belongs to."""
+    id: int = Field(ge=0)
+    """Object id, unique within the stream."""
+    box: Optional[list[float]] = Field(None, min_length=4, max_length=4)
+    """[x0, y0, x1, y1] in pixels of the stream's frames."""
+    points: Optional[list[list[float]]] = None
+    """[[x, y, label], ...]; label 1 = foreground, 0 = background."""
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> "ObjectConfig":
+        if self.box is None and not self.points:
+            raise ValueError(f"object {self.id} of stream {self.stream!r}: give a box or points")
+        return self
+
+
+class ControlConfig(_Strict):
+    enabled: bool = True
+    """Serve the control socket (add/remove streams and objects at run time)."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """ZeroMQ REP endpoint; msgpack requests, one reply each."""
+    max_message_bytes: int = Field(65536, ge=1024)
+    """Larger requests are refused by ZeroMQ before they reach vidar."""
 
 
 class PublishConfig(_Strict):
@@ -135,6 +182,10 @@ class EngineConfig(_Strict):
     """Latency budget and batching delay."""
     models: ModelsConfig = Field(default_factory=ModelsConfig)
     """Model pools."""
+    objects: list[ObjectConfig] = Field(default_factory=list)
+    """Initial SAM 2 prompts; more can be added at run time through the control socket."""
+    control: ControlConfig = Field(default_factory=ControlConfig)
+    """Control socket."""
     publish: PublishConfig = Field(default_factory=PublishConfig)
     """Where and how results go out."""
     ring: RingConfig = Field(default_factory=RingConfig)
@@ -156,6 +207,14 @@ class EngineConfig(_Strict):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"duplicate stream ids {dupes}: every streams[].id must be unique")
+        known = set(ids)
+        for i, o in enumerate(self.objects):
+            if o.stream not in known:
+                raise ValueError(f"objects.{i}.stream: unknown stream {o.stream!r}; streams: {sorted(known)}")
+        if self.objects and self.models.sam2 is None:
+            raise ValueError("objects are SAM 2 prompts: configure models.sam2 too")
+        if self.models.vit is None and self.models.sam2 is None:
+            raise ValueError("models: configure models.vit, models.sam2 or both")
         if self.ring.min_slots > self.ring.max_slots:
             raise ValueError(
                 f"ring.min_slots ({self.ring.min_slots}) > ring.max_slots ({self.ring.max_slots}): raise max_slots")

@@ -20,6 +20,7 @@ from streams.runner import SourceRunner
 
 from .config import EngineConfig, StreamConfig
 from .errors import ConfigError, EngineDeadError, SourceError
+from .fanout import RingGroup
 from .metrics import Metrics
 from .pool import Pool
 from .publisher import Publisher
@@ -54,19 +55,37 @@ class Engine:
         self.metrics: Optional[Metrics] = None
         self._lock = threading.Lock()
         self.dead_reason: Optional[str] = None
+        self.decoder = None  # SAM 2's shared decoder stage, when that pool is configured
 
     # -- start ------------------------------------------------------------------------------
-    def _build_workers(self) -> dict[str, list[Worker]]:
-        workers = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in self._injected.items()}
-        vit = self.cfg.models.vit
-        if "vit" not in workers and vit is not None:
-            from .workers.classify import ClassifierWorker
-            first = ClassifierWorker(vit)  # loads the model once; the other instances share it
-            workers["vit"] = [first] + [ClassifierWorker(vit, model=first.model, weights_tag=first.weights_tag)
-                                        for _ in range(vit.workers - 1)]
-        if not workers:
-            raise ConfigError("models: no model pool configured; set models.vit")
-        return workers
+    def _pool_specs(self) -> list[dict]:
+        """(name, workers, scheduling options, stage 2) of each configured pool."""
+        cfg, specs = self.cfg, []
+        injected = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in self._injected.items()}
+        vit = cfg.models.vit
+        if vit is not None:
+            workers = injected.get("vit")
+            if workers is None:
+                from .workers.classify import ClassifierWorker
+                first = ClassifierWorker(vit)  # loads the model once; the other instances share it
+                workers = [first] + [ClassifierWorker(vit, model=first.model, weights_tag=first.weights_tag)
+                                     for _ in range(vit.workers - 1)]
+            specs.append({"name": "vit", "workers": workers, "max_batch": vit.max_batch, "threads": vit.threads})
+        sam = cfg.models.sam2
+        if sam is not None:
+            from .workers.sam2 import Sam2EncoderWorker, Sam2Stage
+            from .workers.sam2_tracker import DecoderStage
+            workers = injected.get("sam2")
+            if workers is None:
+                first = Sam2EncoderWorker(sam)
+                workers = [first] + [Sam2EncoderWorker(sam, model=first.model, weights_tag=first.weights_tag)
+                                     for _ in range(sam.encoders - 1)]
+            self.decoder = DecoderStage(workers[0].model)
+            specs.append({"name": "sam2", "workers": workers, "max_batch": sam.max_batch, "threads": sam.threads,
+                          "stage2": Sam2Stage(self.decoder, self._emit)})
+        if not specs:
+            raise ConfigError("models: no model pool configured; set models.vit or models.sam2")
+        return specs
 
     def start(self) -> None:
         self.state = "starting"
@@ -76,13 +95,13 @@ class Engine:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
-        vit = cfg.models.vit
-        for name, workers in self._build_workers().items():
-            pool = Pool(name, workers, max_batch=vit.max_batch if vit else 1,
-                        max_wait_s=cfg.budget.max_batch_wait_ms / 1e3, threads=vit.threads if vit else None,
-                        publisher=self.publisher, metrics=self.metrics, on_stream_done=self._pool_done)
+        for spec in self._pool_specs():
+            pool = Pool(spec["name"], spec["workers"], max_batch=spec["max_batch"],
+                        max_wait_s=cfg.budget.max_batch_wait_ms / 1e3, threads=spec["threads"],
+                        publisher=self.publisher, metrics=self.metrics, on_stream_done=self._pool_done,
+                        stage2=spec.get("stage2"))
             pool.warmup()
-            self.pools[name] = pool
+            self.pools[spec["name"]] = pool
         if cfg.publish.min_subscribers:
             log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,
                      cfg.publish.min_subscribers, self.publisher.endpoint)
@@ -93,16 +112,21 @@ class Engine:
             pool.start()
         for scfg in cfg.streams:
             self._start_stream(scfg)
+        from .workers.sam2_tracker import Prompt
+        for o in cfg.objects:
+            self.decoder.add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
         self.state = "running"
 
     def _start_stream(self, scfg: StreamConfig) -> None:
         st = StreamState(cfg=scfg, pools_done=set())
         self.streams[scfg.id] = st
-        pool = next(iter(self.pools.values()))  # one pool per stream for now; the SAM 2 pool will fan out
-        st.ring = FrameRing(scfg.id, live=scfg.mode == "live", accounting=pool.acct,
-                            memory_bytes=self.cfg.ring.memory_mb * 2 ** 20, min_slots=self.cfg.ring.min_slots,
-                            max_slots=self.cfg.ring.max_slots, max_frame_pixels=self.cfg.ring.max_frame_pixels,
-                            notify=pool.wake)
+        rings = [FrameRing(scfg.id, live=scfg.mode == "live", accounting=pool.acct,
+                           memory_bytes=self.cfg.ring.memory_mb * 2 ** 20, min_slots=self.cfg.ring.min_slots,
+                           max_slots=self.cfg.ring.max_slots, max_frame_pixels=self.cfg.ring.max_frame_pixels,
+                           notify=pool.wake) for pool in self.pools.values()]
+        st.ring = rings[0] if len(rings) == 1 else RingGroup(rings)
+        if self.decoder is not None:
+            self.decoder.add_stream(scfg.id)
         try:
             source = open_source(scfg.id, scfg.url, open_timeout_s=self.cfg.source.open_timeout_s,
                                  read_timeout_s=self.cfg.source.read_timeout_s)
@@ -111,14 +135,16 @@ class Engine:
             self._emit(scfg.id, "error", err.reason)
             st.failed, st.reason = True, f"error: {err.reason}"
             st.ring.close()
-            pool.add_ring(st.ring)
-            return
-        st.runner = SourceRunner(source, st.ring, live=scfg.mode == "live", loop=scfg.loop,
-                                 budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
-                                 reconnect_initial_s=self.cfg.source.reconnect_initial_s,
-                                 reconnect_max_s=self.cfg.source.reconnect_max_s)
-        pool.add_ring(st.ring)
-        st.runner.start()
+            source = None
+        if source is not None:
+            st.runner = SourceRunner(source, st.ring, live=scfg.mode == "live", loop=scfg.loop,
+                                     budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
+                                     reconnect_initial_s=self.cfg.source.reconnect_initial_s,
+                                     reconnect_max_s=self.cfg.source.reconnect_max_s)
+        for pool, ring in zip(self.pools.values(), rings):
+            pool.add_ring(ring)
+        if st.runner:
+            st.runner.start()
 
     def _emit(self, stream: str, kind: str, reason: str) -> None:
         if self.publisher is not None:

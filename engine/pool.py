@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from .accounting import Accounting
 from .executor import BatchResult, WorkerThread
-from .frame import DropReason
+from .frame import DropReason, FailReason
 from .latency import LatencyModel
 from .metrics import Metrics
 from .publisher import Publisher
@@ -34,6 +34,7 @@ class Pool:
     def __init__(self, name: str, workers: Sequence[Worker], *, max_batch: int, max_wait_s: float,
                  publisher: Publisher, threads: Optional[int] = None, metrics: Optional[Metrics] = None,
                  on_stream_done: Callable[[str, str], None] = lambda p, s: None,
+                 stage2: Optional[Callable[[list, list], list]] = None,
                  clock: Callable[[], float] = time.monotonic):
         if not workers:
             raise ValueError("a pool needs at least one worker")
@@ -43,6 +44,7 @@ class Pool:
         self.scheduler = EdfScheduler(max_batch=max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
         self._publisher, self._metrics, self._on_done = publisher, metrics, on_stream_done
         self._clock, self._threads = clock, threads
+        self._stage2 = stage2  # a shared stage run in dispatch order after the workers (SAM 2's decoder)
         self._rings: dict[str, FrameRing] = {}
         self._done: set[str] = set()
         self._lock = threading.Lock()        # rings
@@ -184,6 +186,15 @@ class Pool:
             log.error("pool %s: batch of %d failed (%s): %s: %s", self.name, len(res.frames),
                       res.fail_reason.value, type(res.error).__name__, res.error)
             return
+        if self._stage2 is not None:
+            t0 = self._clock()
+            try:
+                res.outputs = self._stage2(res.frames, res.outputs)
+            except Exception as err:
+                res.fail_reason, res.error = FailReason.MODEL_ERROR, err
+                self._finish(res)
+                return
+            res.elapsed += self._clock() - t0
         self.batches += 1
         self._timings.append((len(res.frames), res.elapsed))
         if self._metrics:

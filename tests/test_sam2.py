@@ -1,0 +1,198 @@
+"""SAM 2 streaming tracker against Meta's offline SAM2VideoPredictor, bounded memory, batching,
+deadlines, and bad input. hiera-t at 256 px with a random (biased) checkpoint: CPU-fast."""
+
+import numpy as np
+import pytest
+import torch
+from pycocotools import mask as mask_utils
+
+from engine.errors import ConfigError, WeightsError
+from engine.workers.sam2_model import build_sam2_model, preprocess
+from engine.workers.sam2_tracker import DecoderStage, Prompt, PromptError, encode, render
+from tests.conftest import decode_all, engine_config, write_clip
+from tests.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
+from tests.test_e2e import Collector, run_engine
+
+PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
+N = 21  # 3 x num_maskmem
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("sam2") / "sam2_random_biased.pt")
+
+
+@pytest.fixture(scope="module")
+def model(ckpt):
+    return build_sam2_model(CONFIG, str(ckpt), SIZE, torch.device("cpu"))[0]
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sam2clips")
+    return [write_clip(d / f"c{seed}.mp4", N, size=(320, 240), seed=seed) for seed in (0, 5)]
+
+
+def prompt(obj_id, p):
+    return Prompt(obj_id, box=p.get("box"), points=p.get("points"))
+
+
+def stream_masks(model, frames_by_stream, prompts_at):
+    """Run the decoder stage over streams in lockstep; prompts_at: {(stream, frame): {obj: prompt}}."""
+    stage = DecoderStage(model)
+    for s in frames_by_stream:
+        stage.add_stream(s)
+    n = max(len(f) for f in frames_by_stream.values())
+    out = {s: {} for s in frames_by_stream}
+    for i in range(n):
+        batch = []
+        for s, frames in frames_by_stream.items():
+            for obj_id, p in prompts_at.get((s, i), {}).items():
+                stage.add_object(s, prompt(obj_id, p))
+            batch.append((s, frames[i]))
+        x = preprocess([torch.from_numpy(f) for _, f in batch], SIZE, "exact", torch.device("cpu"))
+        feats = encode(model, x)
+        res = stage.step([(s, ft, f.shape[:2]) for (s, f), ft in zip(batch, feats)])
+        for (s, f), objs in zip(batch, res):
+            out[s][i] = {o["id"]: mask_utils.decode(render(o, *f.shape[:2])["mask"]).astype(bool) for o in objs}
+    return out, stage
+
+
+def assert_equal_to_reference(ours, ref, first=0):
+    assert sorted(ref) == list(range(first, N))
+    worst = min(iou(ours[i][o], ref[i][o]) for i in ref for o in ref[i])
+    assert worst >= 0.99, worst
+    areas = [ref[i][o].mean() for i in ref for o in ref[i]]
+    assert 0.005 < min(areas) and max(areas) < 0.995, "masks must be non-trivial for the comparison to mean anything"
+    assert any(not np.array_equal(ref[first][o], ref[N - 1][o]) for o in ref[first]), "masks must move"
+
+
+def test_two_objects_equal_the_offline_predictor(model, ckpt, clips, tmp_path):
+    frames = decode_all(clips[0])
+    ref = reference_masks(ckpt, frames, PROMPTS, tmp_path)
+    ours, stage = stream_masks(model, {"a": frames}, {("a", 0): PROMPTS})
+    assert_equal_to_reference(ours["a"], ref)
+    assert stage.calls[-1] == 2  # both objects in one batched decoder call
+
+
+def test_two_streams_batched_each_equal_its_own_run(model, ckpt, clips, tmp_path):
+    fa, fb = decode_all(clips[0]), decode_all(clips[1])
+    ref_b = reference_masks(ckpt, fb, PROMPTS, tmp_path)
+    ours, stage = stream_masks(model, {"a": fa, "b": fb}, {("a", 0): PROMPTS, ("b", 0): PROMPTS})
+    assert_equal_to_reference(ours["b"], ref_b)
+    assert_equal_to_reference(ours["a"], reference_masks(ckpt, fa, PROMPTS, tmp_path))
+    # steady state: one decoder call per step for all 2 streams x 2 objects
+    assert stage.calls[-10:] == [4] * 10
+
+
+def test_object_added_mid_stream(model, ckpt, clips, tmp_path):
+    frames = decode_all(clips[0])
+    k = 5
+    ref = reference_masks(ckpt, frames, {3: PROMPTS[1]}, tmp_path, start=k)
+    ours, _ = stream_masks(model, {"a": frames}, {("a", 0): {2: PROMPTS[2]}, ("a", k): {3: PROMPTS[1]}})
+    assert all(3 not in ours["a"][i] for i in range(k))
+    assert_equal_to_reference({i: ours["a"][i] for i in range(k, N)}, ref, first=k)
+
+
+def test_memory_bank_is_bounded(model, clips):
+    frames = decode_all(clips[0]) * 3  # 63 frames
+    stage = DecoderStage(model)
+    stage.add_stream("a")
+    stage.add_object("a", prompt(1, PROMPTS[1]))
+    sizes = []
+    for f in frames:
+        feats = encode(model, preprocess([torch.from_numpy(f)], SIZE, "fast", torch.device("cpu")))
+        stage.step([("a", feats[0], f.shape[:2])])
+        sizes.append(stage.bank_entries()[("a", 1)])
+    bank = stage._streams["a"].objects[1]
+    bound = 1 + (model.num_maskmem - 1) + (model.max_obj_ptrs_in_encoder - 1)
+    assert bank.bound() == bound == 22
+    assert max(sizes) == bound and sizes[-30:] == [bound] * 30
+
+
+def test_engine_publishes_sam2_results_equal_to_reference(ckpt, clips, tmp_path, endpoint):
+    frames = decode_all(clips[0])
+    ref = reference_masks(ckpt, frames, PROMPTS, tmp_path)
+    cfg = engine_config([{"id": "cam1", "url": str(clips[0]), "mode": "offline"}], endpoint,
+                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                                                      "preprocess": "exact", "max_batch": 2}},
+                        objects=[{"stream": "cam1", "id": 1, "box": PROMPTS[1]["box"]},
+                                 {"stream": "cam1", "id": 2, "points": PROMPTS[2]["points"]}],
+                        publish={"min_subscribers": 1})
+    col = Collector(endpoint, ["cam1"])
+    col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.")
+    eng, finished = run_engine(cfg, timeout=120)
+    msgs = [m for m in col.wait() if m["type"] == "sam2"]
+    assert finished and sorted(m["seq"] for m in msgs) == list(range(N))
+    for m in msgs:
+        assert m["weights"] == "sam2_random_biased.pt" and [o["id"] for o in m["objects"]] == [1, 2]
+        for o in m["objects"]:
+            mask = mask_utils.decode(o["mask"]).astype(bool)
+            assert o["mask"]["size"] == [240, 320]
+            assert iou(mask, ref[m["seq"]][o["id"]]) >= 0.99
+            ys, xs = np.nonzero(mask)
+            assert o["bbox"] == [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]
+            assert 0 <= o["score"] <= 1
+
+
+def test_live_sam2_drops_before_encoding_and_keeps_tracking(ckpt, endpoint):
+    """SAM 2 (~0.1 s a frame here) behind a 30 fps stream: frames are dropped for their deadline before any
+    encoding, no result is late, and the tracker's frame count is exactly the processed frames."""
+    budget_ms = 400
+    cfg = engine_config([{"id": "live", "url": "synthetic://shapes?size=320x240&fps=30&frames=60", "mode": "live"}],
+                        endpoint, budget={"latency_ms": budget_ms},
+                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                                                      "max_batch": 1}},
+                        objects=[{"stream": "live", "id": 1, "box": [10, 10, 120, 100]}],
+                        publish={"min_subscribers": 1})
+    col = Collector(endpoint, ["live"])
+    col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.")
+    eng, finished = run_engine(cfg, timeout=60)
+    msgs = [m for m in col.wait() if m["type"] == "sam2"]
+    s = eng.pools["sam2"].acct.snapshot("live")
+    assert finished and s.ingested == 60 and s.in_flight == 0
+    assert s.dropped.get("deadline", 0) + s.dropped.get("ring_full", 0) > 0
+    assert max(m["latency_ms"] for m in msgs) <= budget_ms + 1.0
+    track = eng.decoder.list()["live"]
+    assert track["frame"] == s.published + s.dropped.get("late", 0)  # no holes: only processed frames count
+    assert all(len(m["objects"]) == 1 for m in msgs)
+
+
+@pytest.mark.parametrize("p, message", [
+    (Prompt(1, box=[10, 10, 400, 100]), r"\(400, 100\) lies outside the 320x240 frame"),
+    (Prompt(1, box=[50, 10, 40, 100]), "x0 < x1"),
+    (Prompt(1, points=[[5, 5, 7]]), "label 1 \\(foreground\\) or 0"),
+    (Prompt(1), "give a box or at least one point"),
+])
+def test_bad_prompts(model, p, message):
+    stage = DecoderStage(model)
+    stage.add_stream("a")
+    stage._streams["a"].size = (240, 320)
+    with pytest.raises(PromptError, match=message):
+        stage.add_object("a", p)
+
+
+def test_unknown_stream_and_object(model):
+    stage = DecoderStage(model)
+    with pytest.raises(PromptError, match=r"unknown stream 'nope'"):
+        stage.add_object("nope", Prompt(1, box=[0, 0, 5, 5]))
+    stage.add_stream("a")
+    with pytest.raises(PromptError, match=r"stream 'a' has no object 9"):
+        stage.remove_object("a", 9)
+
+
+def test_checkpoint_errors(ckpt, tmp_path):
+    sd = torch.load(ckpt, weights_only=True)["model"]
+    sd.pop("no_mem_embed")
+    sd["extra.weight"] = torch.zeros(1)
+    bad = tmp_path / "bad.pt"
+    torch.save({"model": sd}, bad)
+    with pytest.raises(WeightsError, match=r"bad.pt does not fit this config: missing keys \['no_mem_embed'\], "
+                                           r"unexpected keys \['extra.weight'\]"):
+        build_sam2_model(CONFIG, str(bad), SIZE, torch.device("cpu"))
+    torch.save(sd, bad)
+    with pytest.raises(WeightsError, match="not in the official format"):
+        build_sam2_model(CONFIG, str(bad), SIZE, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"'sam2.1_hiera_xl' is not a config of the installed sam2 package; "
+                                          r"available: \[.*'sam2.1_hiera_t'"):
+        build_sam2_model("sam2.1_hiera_xl", "random", SIZE, torch.device("cpu"))
