@@ -80,6 +80,27 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_control(args: argparse.Namespace) -> int:
+    import yaml
+    from .control import request
+
+    req: dict = {"op": args.op}
+    for item in args.args:
+        if "=" not in item:
+            print(f"vidar control: {item!r}: expected key=value, e.g. stream=cam1 id=3 box=[10,20,200,180]",
+                  file=sys.stderr)
+            return 2
+        key, _, value = item.partition("=")
+        req[key] = yaml.safe_load(value)
+    try:
+        reply = request(args.endpoint, req, timeout=args.timeout)
+    except TimeoutError as err:
+        print(f"vidar control: {err}", file=sys.stderr)
+        return 1
+    print(json.dumps(reply, indent=2))
+    return 0 if reply.get("ok") else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="vidar", description="Real-time video analytics engine")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -96,6 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--count", type=int, help="exit after this many messages")
     s.add_argument("--timeout", type=float, help="exit 1 if nothing arrives for this many seconds")
     s.set_defaults(func=cmd_subscribe)
+    c = sub.add_parser("control", help="send a request to a running engine's control socket",
+                       description="ops: list, add_stream stream={id: cam2, url: ..., mode: live}, "
+                                   "remove_stream stream=cam2, add_object stream=cam1 id=3 box=[x0,y0,x1,y1] "
+                                   "(or points=[[x,y,1]]), remove_object stream=cam1 id=3, reset_stream stream=cam1")
+    c.add_argument("op")
+    c.add_argument("args", nargs="*", metavar="KEY=VALUE", help="values are YAML")
+    c.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+    c.add_argument("--timeout", type=float, default=10.0)
+    c.set_defaults(func=cmd_control)
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
     try:

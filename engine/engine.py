@@ -15,7 +15,7 @@ from typing import Optional
 
 import zmq
 
-from streams import open_source
+from streams import open_source, redact_url
 from streams.runner import SourceRunner
 
 from .config import EngineConfig, StreamConfig
@@ -39,6 +39,7 @@ class StreamState:
     eos_sent: bool = False
     eos_queued: bool = False
     failed: bool = False
+    removed: bool = False
     reason: str = ""
 
 
@@ -146,6 +147,54 @@ class Engine:
         if st.runner:
             st.runner.start()
 
+    # -- run-time changes (the control socket) ------------------------------------------------
+    def add_stream(self, scfg: StreamConfig) -> None:
+        from .control import ControlError
+        with self._lock:
+            if scfg.id in self.streams and not self.streams[scfg.id].removed:
+                raise ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first")
+            self.streams.pop(scfg.id, None)
+        self._start_stream(scfg)
+        log.info("stream %s added (%s)", scfg.id, redact_url(scfg.url))
+
+    def remove_stream(self, stream: str, timeout: float = 5.0) -> None:
+        """Stop a stream: its decoder thread ends, frames still queued are dropped (stream_removed),
+        its tracker state is freed and one eos goes out."""
+        from .control import ControlError
+        st = self.streams.get(stream)
+        if st is None or st.removed:
+            raise ControlError(f"remove_stream: unknown stream {stream!r}; streams: {sorted(self.live_streams())}")
+        st.removed, st.reason = True, "removed"
+        if st.runner:
+            st.runner.stop()
+            st.runner.join(timeout)
+        for pool in self.pools.values():
+            pool.remove_stream(stream, timeout)
+        if self.decoder is not None:
+            self.decoder.remove_stream(stream)
+        with self._lock:
+            queued, st.eos_queued = st.eos_queued, True
+        if not queued:
+            self.publisher.submit_event(stream, "eos", "removed")
+        log.info("stream %s removed", stream)
+
+    def live_streams(self) -> list[str]:
+        return [s for s, st in self.streams.items() if not st.removed]
+
+    def describe(self) -> dict:
+        objects = self.decoder.list() if self.decoder is not None else {}
+        out = {}
+        for sid in self.live_streams():
+            st = self.streams[sid]
+            out[sid] = {"url": redact_url(st.cfg.url), "mode": st.cfg.mode,
+                        "state": st.runner.state if st.runner else ("failed" if st.failed else "?"),
+                        "pools": {name: {"published": pool.acct.snapshot(sid).published,
+                                         "dropped": pool.acct.snapshot(sid).dropped}
+                                  for name, pool in self.pools.items()}}
+            if sid in objects:
+                out[sid]["objects"] = objects[sid]["objects"] + objects[sid]["pending"]
+        return out
+
     def _emit(self, stream: str, kind: str, reason: str) -> None:
         if self.publisher is not None:
             self.publisher.submit_event(stream, kind, reason)
@@ -171,8 +220,8 @@ class Engine:
         self.publisher.submit_event(stream, "eos", reason, on_sent=sent)
 
     def finished(self) -> bool:
-        """Every stream has ended and its eos was published."""
-        return bool(self.streams) and all(st.eos_sent for st in self.streams.values())
+        """Every stream has ended and its eos was published (removed streams count as ended)."""
+        return bool(self.streams) and all(st.eos_sent or st.removed for st in self.streams.values())
 
     def check_dead(self) -> Optional[str]:
         for pool in self.pools.values():

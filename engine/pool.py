@@ -47,6 +47,7 @@ class Pool:
         self._stage2 = stage2  # a shared stage run in dispatch order after the workers (SAM 2's decoder)
         self._rings: dict[str, FrameRing] = {}
         self._done: set[str] = set()
+        self._removals: list = []
         self._lock = threading.Lock()        # rings
         self._out_lock = threading.Lock()    # reorder buffer and publication
         self._completed: dict[int, BatchResult] = {}
@@ -68,10 +69,19 @@ class Pool:
     def add_ring(self, ring: FrameRing) -> None:
         with self._lock:
             self._rings[ring.stream] = ring
+            self._done.discard(ring.stream)  # a stream id may come back after a removal
         self.wake()
 
     def wake(self) -> None:
         self._wake.set()
+
+    def remove_stream(self, stream: str, timeout: float = 5.0) -> bool:
+        """Forget a stream: the dispatcher drops what it holds of it (stream_removed). Waits for that."""
+        done = threading.Event()
+        with self._lock:
+            self._removals.append((stream, done))
+        self.wake()
+        return done.wait(timeout) if self._thread.is_alive() else self._apply_removals() or True
 
     def warmup(self) -> None:
         sizes = sorted({1, self.scheduler.max_batch})
@@ -112,6 +122,7 @@ class Pool:
                     self._abort_pending()
                     return
                 self._wake.clear()  # before pulling: a frame written after this point re-sets it
+                self._apply_removals()
                 while self._timings:
                     self.scheduler.update(*self._timings.popleft())
                 runner = self._idle_runner()
@@ -216,8 +227,25 @@ class Pool:
         for ring in rings:
             stream = ring.stream
             if ring.drained() and ring.held() == 0 and not self.scheduler.count(lambda fv: fv.meta.stream == stream):
-                self._done.add(stream)
+                with self._lock:
+                    self._done.add(stream)
                 self._on_done(self.name, stream)
+
+    def _apply_removals(self) -> None:
+        with self._lock:
+            removals, self._removals = self._removals, []
+        for stream, done in removals:
+            with self._lock:
+                ring = self._rings.pop(stream, None)
+            for fv in self.scheduler.remove(lambda fv: fv.meta.stream == stream):
+                self._drop(fv, DropReason.STREAM_REMOVED)
+            if ring is not None:
+                ring.close()
+                for fv in ring.take_ready():
+                    self._drop(fv, DropReason.STREAM_REMOVED)
+            with self._lock:
+                self._done.add(stream)
+            done.set()
 
     def _abort_pending(self) -> None:
         for fv in self.scheduler.remove(lambda fv: True):

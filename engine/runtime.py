@@ -73,6 +73,11 @@ async def _main(engine: Engine) -> int:
         log.error("%s", err)
         await loop.run_in_executor(None, lambda: engine.stop(drain=False))
         return EXIT_DEAD
+    control = None
+    if engine.cfg.control.enabled:
+        from .control import serve
+        control = asyncio.create_task(serve(engine, engine.cfg.control.endpoint,
+                                            engine.cfg.control.max_message_bytes, stop))
     status = StatusPrinter(engine)
     interval = engine.cfg.status.interval_s
     next_status = time.monotonic() + interval
@@ -93,6 +98,13 @@ async def _main(engine: Engine) -> int:
             next_status += interval
     if stop.is_set():
         log.info("signal received: draining (up to %.1f s)", engine.cfg.shutdown_timeout_s)
+    stop.set()  # also ends the control socket
+    if control is not None:
+        try:
+            await asyncio.wait_for(control, timeout=2)
+        except (asyncio.TimeoutError, Exception) as err:  # a bind error surfaces here
+            if not isinstance(err, asyncio.TimeoutError):
+                log.error("control socket: %s", err)
     await loop.run_in_executor(None, lambda: engine.stop(drain=code == EXIT_OK))
     status.print()
     if code == EXIT_OK and engine.any_failed():

@@ -18,7 +18,7 @@ def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
     cfg = {"streams": [{"id": "clip", "url": str(clip), "mode": "offline"}],
            "models": {"vit": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "publish": {"endpoint": f"tcp://127.0.0.1:{port}", "min_subscribers": 1},
-           "metrics": {"enabled": False}, "status": {"interval_s": 0.5}}
+           "metrics": {"enabled": False}, "status": {"interval_s": 0.5}, "control": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     sub = subprocess.Popen(VIDAR + ["subscribe", f"tcp://127.0.0.1:{port}", "--count", "31", "--timeout", "60"],
@@ -46,7 +46,7 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
     """`make run`'s command, on the shipped demo config, stopped with SIGINT."""
     port = free_port()
     p = subprocess.Popen(VIDAR + ["run", "configs/demo.yaml", "--set", f"publish.endpoint=tcp://127.0.0.1:{port}",
-                                  "--set", "metrics.enabled=false", "--set", "status.interval_s=1"],
+                                  "--set", "metrics.enabled=false", "--set", "status.interval_s=1", "--set", f"control.endpoint=tcp://127.0.0.1:{free_port()}"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status = []
     t_end = time.monotonic() + 90

@@ -1,0 +1,143 @@
+"""The control socket: every request gets a reply; streams and objects come and go at run time."""
+
+import asyncio
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.control import handle, request, serve
+from engine.engine import Engine
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config, free_port
+from tests.test_e2e import Collector
+
+
+class ControlServer:
+    """The asyncio control plane's socket task, on a thread for the test."""
+
+    def __init__(self, engine, endpoint):
+        self.loop = asyncio.new_event_loop()
+        self.stop = None
+        self.t = threading.Thread(target=self._run, args=(engine, endpoint), daemon=True)
+        self.t.start()
+        time.sleep(0.2)
+
+    def _run(self, engine, endpoint):
+        asyncio.set_event_loop(self.loop)
+        self.stop = asyncio.Event()
+        self.loop.run_until_complete(serve(engine, endpoint, 65536, self.stop))
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.t.join(5)
+
+
+@pytest.fixture
+def running(endpoint):
+    cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
+                        budget={"latency_ms": 500})
+    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng.start()
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(eng, ctl)
+    yield eng, ctl
+    server.close()
+    eng.stop()
+
+
+@pytest.mark.parametrize("req, error", [
+    ("not a map", "a request is a map with an 'op' key"),
+    ({"op": "explode"}, r"unknown op 'explode'; allowed: \['list', 'add_stream'"),
+    ({"op": "remove_stream"}, "remove_stream: missing key 'stream'"),
+    ({"op": "remove_stream", "stream": 7}, "'stream' must be a str"),
+    ({"op": "remove_stream", "stream": "ghost"}, r"unknown stream 'ghost'; streams: \['cam1'\]"),
+    ({"op": "add_stream", "stream": {"id": "x"}}, "add_stream: stream.url: Field required"),
+    ({"op": "add_stream", "stream": {"id": "cam1", "url": "synthetic://shapes"}}, "'cam1' is already running"),
+    ({"op": "add_stream", "stream": {"id": "c", "url": "x", "color": 1}}, "stream.color: Extra inputs"),
+    ({"op": "add_object", "stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}, "objects need the SAM 2 pool"),
+])
+def test_bad_requests_get_an_error_reply(running, req, error):
+    eng, ctl = running
+    reply = request(ctl, req)
+    assert reply["ok"] is False and __import__("re").search(error, reply["error"]), reply
+    assert eng.state == "running" and eng.pools["vit"].acct.snapshot("cam1").published > 0
+
+
+def test_malformed_and_oversized_messages(running):
+    eng, ctl = running
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctl)
+    sock.send(b"\xc1\xff garbage")
+    assert sock.poll(5000)
+    assert msgpack.unpackb(sock.recv()) == {"ok": False, "error": "request is not valid msgpack"}
+    sock.close(0)
+    big = zmq.Context.instance().socket(zmq.REQ)  # over max_message_bytes: ZeroMQ drops the peer, no reply
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(ctl)
+    big.send(msgpack.packb({"op": "list", "pad": "x" * 100_000}))
+    assert not big.poll(500)
+    big.close(0)
+    assert request(ctl, {"op": "list"})["ok"]  # still serving
+
+
+def test_add_and_remove_streams_at_run_time(running, endpoint):
+    eng, ctl = running
+    threads_before = {t.name for t in threading.enumerate()}
+    col = Collector(endpoint, ["cam2"])
+    reply = request(ctl, {"op": "add_stream", "stream": {"id": "cam2", "url": "synthetic://shapes?size=64x64&fps=30"}})
+    assert reply == {"ok": True, "stream": "cam2"}
+    t_end = time.monotonic() + 10
+    while eng.pools["vit"].acct.snapshot("cam2").published < 10 and time.monotonic() < t_end:
+        time.sleep(0.05)
+    listed = request(ctl, {"op": "list"})["streams"]
+    assert set(listed) == {"cam1", "cam2"} and listed["cam2"]["state"] == "running"
+    cam1_before = eng.pools["vit"].acct.snapshot("cam1").published
+    t0 = time.monotonic()
+    assert request(ctl, {"op": "remove_stream", "stream": "cam2"}) == {"ok": True}
+    assert time.monotonic() - t0 < 1.0
+    msgs = col.wait(5)
+    assert msgs[-1]["kind"] == "eos" and msgs[-1]["reason"] == "removed"
+    assert "source-cam2" not in {t.name for t in threading.enumerate()}
+    assert {t.name for t in threading.enumerate()} - threads_before == set()
+    s2 = eng.pools["vit"].acct.snapshot("cam2")
+    assert s2.in_flight == 0 and s2.balanced()
+    time.sleep(0.3)
+    assert eng.pools["vit"].acct.snapshot("cam1").published > cam1_before  # cam1 never stopped
+    assert set(request(ctl, {"op": "list"})["streams"]) == {"cam1"}
+
+
+def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
+    from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
+    ckpt = make_checkpoint(tmp_path / "c.pt")
+    cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
+                        budget={"latency_ms": 2000},
+                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                                                      "max_batch": 1}})
+    eng = Engine(cfg)
+    eng.start()
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    server = ControlServer(eng, ctl)
+    try:
+        col = Collector(endpoint, ["cam1"])
+        col.sub._sock.setsockopt(zmq.SUBSCRIBE, b"sam2.")
+        time.sleep(0.5)  # the first frame sets the stream's size
+        bad = request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 500, 100]})
+        assert bad["ok"] is False and "(500.0, 100.0) lies outside the 160x120 frame" in bad["error"]
+        assert request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 80, 60]})["ok"]
+        t_end = time.monotonic() + 20
+        while time.monotonic() < t_end and not any(
+                m.get("objects") for m in col.msgs if m["type"] == "sam2"):
+            time.sleep(0.1)
+        assert request(ctl, {"op": "list"})["streams"]["cam1"]["objects"] == [4]
+        assert request(ctl, {"op": "remove_object", "stream": "cam1", "id": 4})["ok"]
+        assert request(ctl, {"op": "remove_object", "stream": "cam1", "id": 4})["ok"] is False
+        assert request(ctl, {"op": "reset_stream", "stream": "cam1"})["ok"]
+    finally:
+        server.close()
+        eng.stop()
+    got = [m for m in col.wait(5) if m["type"] == "sam2" and m["objects"]]
+    assert got and got[0]["objects"][0]["id"] == 4
