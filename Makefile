@@ -31,6 +31,7 @@ test: $(VENV)/.test
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/bench_vit.py
+	$(PY) benchmarks/bench_sam2.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -37,6 +37,21 @@ def test_config_errors_name_the_key(patch, message):
         build_config(tree(**patch), cuda_available=True)
 
 
+@pytest.mark.parametrize("patch, message", [
+    ({"objects": [{"stream": "nope", "id": 1, "box": [0, 0, 5, 5]}], "models": {"sam2": {}}},
+     r"objects.0.stream: unknown stream 'nope'; streams: \['cam1'\]"),
+    ({"objects": [{"stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}]}, "objects are SAM 2 prompts: configure models.sam2"),
+    ({"objects": [{"stream": "cam1", "id": 1}], "models": {"sam2": {}}}, "give a box or points"),
+    ({"objects": [{"stream": "cam1", "id": 1, "box": [0, 0, 5]}], "models": {"sam2": {}}},
+     "objects.0.box: List should have at least 4 items"),
+    ({"models": {"sam2": {"image_size": 300}}}, r"models.sam2.image_size: Input should be a multiple of 32"),
+    ({"models": {"vit": None}}, "configure models.vit, models.sam2 or both"),
+])
+def test_sam2_config_errors(patch, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config(dict(GOOD, **patch), cuda_available=True)
+
+
 def test_duplicate_stream_ids():
     t = {"streams": [{"id": "a", "url": "x.mp4"}, {"id": "a", "url": "y.mp4"}]}
     with pytest.raises(ConfigError, match=r"duplicate stream ids \['a'\]"):
@@ -83,7 +98,8 @@ def test_parse_override_yaml_values():
 
 
 def test_shipped_configs_are_valid():
-    for path in ("configs/demo.yaml", "configs/example-rtsp.yaml"):
+    from pathlib import Path
+    for path in sorted(Path("configs").glob("*.yaml")):
         for cuda in (True, False):
             cfg, _ = load_config(path, cuda_available=cuda)
             assert cfg.streams

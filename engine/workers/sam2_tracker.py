@@ -17,6 +17,7 @@ never reaches the tracker, so it leaves no hole in the memory.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
@@ -132,7 +133,11 @@ class DecoderStage:
         self._streams: dict[str, StreamTrack] = {}
         self._lock = threading.RLock()
         self._pos_enc: Optional[torch.Tensor] = None  # maskmem_pos_enc[-1]: the same for every frame
-        self.calls: list[int] = []  # batch size of each batched decoder call (for tests and benchmarks)
+        self.calls: deque = deque(maxlen=10_000)  # batch size of each batched decoder call (tests, benchmarks)
+        # seconds per batched call of each sub-stage, for benchmarks (bounded)
+        self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
+                                          for k in ("memory_attention", "mask_decoder", "memory_encoder")}
+        self.timed = False  # on a GPU, sync between sub-stages to time them (benchmarks only: it costs)
         self.rejected: list[tuple[str, int, str]] = []  # prompts found invalid when applied (reported as events)
 
     # -- control ----------------------------------------------------------------------------
@@ -263,6 +268,12 @@ class DecoderStage:
             return fill_holes_in_mask_scores(masks, self.model.fill_hole_area)
         return masks
 
+    def _sync_time(self) -> float:
+        # Per-stage timings need the GPU's queue drained; on the CPU this is just a clock read.
+        if self.device.type == "cuda" and self.timed:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _remember_pos(self, pos: list[torch.Tensor]) -> None:
         if self._pos_enc is None:
             self._pos_enc = pos[-1][0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
@@ -327,16 +338,23 @@ class DecoderStage:
         memory = torch.cat([g[0] for g in gathered], dim=1)
         memory_pos = torch.cat([g[1] for g in gathered], dim=1)
         H, W = sizes[-1]
+        t0 = time.perf_counter()
         pix = m.memory_attention(curr=[curr], curr_pos=[curr_pos], memory=memory, memory_pos=memory_pos,
                                  num_obj_ptr_tokens=gathered[0][2])
         pix = pix.permute(1, 2, 0).view(B, m.hidden_dim, H, W)
         high_res = [torch.cat([f.vision_feats[lvl] for f in feats], dim=1).permute(1, 2, 0).view(B, -1, *sizes[lvl])
                     for lvl in range(len(sizes) - 1)]
+        t1 = self._sync_time()
         _, _, _, low, high, obj_ptr, score = m._forward_sam_heads(
             backbone_features=pix, point_inputs=None, mask_inputs=None, high_res_features=high_res,
             multimask_output=m._use_multimask(False, None))
+        t2 = self._sync_time()
         maskmem, pos = m._encode_new_memory(current_vision_feats=[curr], feat_sizes=sizes, pred_masks_high_res=high,
                                             object_score_logits=score, is_mask_from_pts=False)
+        t3 = self._sync_time()
+        self.stage_s["memory_attention"].append(t1 - t0)
+        self.stage_s["mask_decoder"].append(t2 - t1)
+        self.stage_s["memory_encoder"].append(t3 - t2)
         self._remember_pos(pos)
         maskmem = maskmem.to(torch.bfloat16)
         filled = self._fill_holes(low)
