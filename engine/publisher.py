@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import zmq
@@ -56,7 +56,6 @@ class PublisherStats:
     sent: int = 0
     events: int = 0
     hwm_drops: int = 0
-    publish_s: list = field(default_factory=list)
 
 
 class Publisher:

@@ -14,6 +14,8 @@ Every frame of VIDEO goes through the engine (offline mode: nothing is dropped).
 shows each object's mask blended in its own colour, its bounding box and "id score"; one line per
 frame is printed: seq, latency_ms and per object id/score/area. One annotated frame (--png N,
 default 10, or the last frame of a shorter video) is also saved as <out stem>_frame<N>.png.
+latency_ms runs from a frame's decoding to its result; in offline mode the decoder runs ahead of
+the model (up to the ring's size), so it includes the time a frame waited behind earlier ones.
 
 Without --checkpoint the model runs on RANDOM weights: the pipeline works end to end, but the
 masks mean nothing. Official checkpoints: https://github.com/facebookresearch/sam2 (sam2.1_hiera_*.pt).
@@ -81,13 +83,16 @@ def annotate(rgb: np.ndarray, msg: dict) -> tuple[np.ndarray, list[str]]:
     """Blend each object's mask, draw its bbox and 'id score'. Returns the frame and per-object summaries."""
     out = rgb.copy()
     summaries = []
+    # Masks first, then boxes and labels, so no mask is blended over another object's label.
     for obj in msg["objects"]:
         colour = PALETTE[(obj["id"] - 1) % len(PALETTE)]
         mask = mask_utils.decode(obj["mask"]).astype(bool)  # HxW, at the stream's resolution
         out[mask] = (out[mask] * (1 - ALPHA) + np.array(colour) * ALPHA).astype(np.uint8)
         summaries.append(f"id {obj['id']} score {obj['score']:.3f} area {int(mask.sum())}")
+    for obj in msg["objects"]:
         if obj["bbox"] is None:  # empty mask: SAM 2 says the object is not in this frame
             continue
+        colour = PALETTE[(obj["id"] - 1) % len(PALETTE)]
         x0, y0, x1, y1 = obj["bbox"]  # x1, y1 exclusive
         cv2.rectangle(out, (x0, y0), (x1 - 1, y1 - 1), colour, 2)
         label(out, f"{obj['id']} {obj['score']:.2f}", x0, y0, colour)

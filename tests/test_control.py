@@ -141,3 +141,15 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
         eng.stop()
     got = [m for m in col.wait(5) if m["type"] == "sam2" and m["objects"]]
     assert got and got[0]["objects"][0]["id"] == 4
+
+
+def test_vidar_control_command_line(running, capsys):
+    from engine.cli import main
+    eng, ctl = running
+    assert main(["control", "--endpoint", ctl, "list"]) == 0
+    assert '"cam1"' in capsys.readouterr().out
+    assert main(["control", "--endpoint", ctl, "add_stream", "stream={id: cam3, url: 'synthetic://shapes?size=64x64'}"]) == 0
+    assert main(["control", "--endpoint", ctl, "remove_stream", "stream=cam3"]) == 0
+    assert main(["control", "--endpoint", ctl, "remove_stream", "stream=cam3"]) == 1
+    assert "unknown stream 'cam3'" in capsys.readouterr().out
+    assert main(["control", "--endpoint", ctl, "list", "oops"]) == 2

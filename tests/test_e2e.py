@@ -154,7 +154,9 @@ def test_stop_drains_and_sends_one_eos_per_stream(endpoint):
     col = Collector(endpoint, ["c0", "c1", "c2"])
     eng = Engine(cfg, workers={"vit": NullWorker(per_frame_s=0.005)})
     eng.start()
-    time.sleep(1.0)
+    t_end = time.monotonic() + 20
+    while time.monotonic() < t_end and min(eng.pools["vit"].acct.snapshot(f"c{i}").published for i in range(3)) <= 10:
+        time.sleep(0.05)
     t0 = time.monotonic()
     eng.stop()
     assert time.monotonic() - t0 < cfg.shutdown_timeout_s

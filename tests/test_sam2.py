@@ -196,3 +196,22 @@ def test_checkpoint_errors(ckpt, tmp_path):
     with pytest.raises(ConfigError, match=r"'sam2.1_hiera_xl' is not a config of the installed sam2 package; "
                                           r"available: \[.*'sam2.1_hiera_t'"):
         build_sam2_model("sam2.1_hiera_xl", "random", SIZE, torch.device("cpu"))
+
+
+def test_both_pools_on_one_stream(ckpt, endpoint):
+    """A stream feeds the classifier and the tracker: each pool gets every frame, one eos after both."""
+    from engine.workers.null import NullWorker
+    n = 8
+    cfg = engine_config([{"id": "both", "url": f"synthetic://shapes?size=160x120&fps=30&frames={n}",
+                          "mode": "offline"}], endpoint,
+                        models={"sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE}},
+                        objects=[{"stream": "both", "id": 1, "box": [10, 10, 80, 60]}],
+                        publish={"min_subscribers": 1})
+    col = Collector(endpoint, ["both"])
+    col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.")
+    eng, finished = run_engine(cfg, workers={"vit": NullWorker()}, timeout=60)
+    msgs = col.wait()
+    assert finished
+    for kind in ("vit", "sam2"):
+        assert sorted(m["seq"] for m in msgs if m["type"] == kind) == list(range(n)), kind
+    assert [m["kind"] for m in msgs if m["type"] == "event"] == ["started", "eos"] and msgs[-1]["kind"] == "eos"

@@ -7,10 +7,29 @@ which returns one dict of output fields per frame, merged into that frame's mess
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ..ring import FrameView
+
+
+def time_batches(run: Callable[[Any], Any], make_input: Callable[[int], Any], batch_sizes: Sequence[int],
+                 device: Any) -> dict[int, float]:
+    """Seconds per batch size, for warm-up: each size twice, the second timed (the first pays
+    one-time costs: allocations, kernel selection)."""
+    import torch
+
+    seen: dict[int, float] = {}
+    for b in batch_sizes:
+        x = make_input(b)
+        for _ in range(2):
+            t0 = time.perf_counter()
+            run(x)
+            if getattr(device, "type", "cpu") == "cuda":
+                torch.cuda.synchronize()
+            seen[b] = time.perf_counter() - t0
+    return seen
 
 
 class Worker(ABC):

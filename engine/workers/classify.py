@@ -13,7 +13,6 @@ Normalisation is batched on tensors with the same float ops as timm's ToTensor +
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,7 +21,7 @@ import torch
 
 from ..config import VitConfig
 from ..errors import ConfigError, WeightsError
-from .base import Worker
+from .base import Worker, time_batches
 
 log = logging.getLogger("vidar.vit")
 
@@ -214,16 +213,8 @@ class ClassifierWorker(Worker):
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         c, h, w = self.pre.data_config["input_size"]
-        seen: dict[int, float] = {}
-        for b in batch_sizes:
-            x = torch.randn(b, c, h, w, device=self.device).to(self.dtype)
-            for _ in range(2):  # first call pays one-time costs (allocations, kernels)
-                t0 = time.perf_counter()
-                self.forward(x)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                seen[b] = time.perf_counter() - t0
-        return seen
+        return time_batches(self.forward, lambda b: torch.randn(b, c, h, w, device=self.device).to(self.dtype),
+                            batch_sizes, self.device)
 
     def close(self) -> None:
         self.model = None

@@ -3,13 +3,12 @@ decoder stage (batched across every due (stream, object) pair). See sam2_tracker
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from ..config import Sam2Config
-from .base import Worker
+from .base import Worker, time_batches
 from .classify import resolve_device
 from .sam2_model import build_sam2_model, preprocess
 from .sam2_tracker import DecoderStage, encode, render
@@ -38,16 +37,8 @@ class Sam2EncoderWorker(Worker):
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         s = self.cfg.image_size
-        seen = {}
-        for b in batch_sizes:
-            x = torch.randn(b, 3, s, s, device=self.device)
-            for _ in range(2):
-                t0 = time.perf_counter()
-                encode(self.model, x)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                seen[b] = time.perf_counter() - t0
-        return seen
+        return time_batches(lambda x: encode(self.model, x), lambda b: torch.randn(b, 3, s, s, device=self.device),
+                            batch_sizes, self.device)
 
     def close(self) -> None:
         self.model = None
