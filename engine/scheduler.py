@@ -7,6 +7,10 @@ back with `update`. Rules, in order:
 2. Frames are ordered by deadline (offline frames have none and go last, in arrival order).
 3. The batch size is the largest b <= max_batch whose predicted run time still meets the
    earliest deadline in the batch.
+   Exception, the probe: when every waiting frame would be dropped and nothing has run for
+   `probe_interval_s`, the newest frame runs anyway, alone. Without it, one slow spell that
+   pushes the estimate past the budget would drop every frame for ever (nothing new is ever
+   measured). A probe that finishes late is dropped as `late`, so it is never published late.
 4. The batch is dispatched when it is full, when it cannot grow without missing a deadline,
    when waiting for one more frame would miss the earliest deadline, or when its oldest
    frame has waited `max_wait_s` (bounded batching delay). Otherwise `wake_at` says when to ask again.
@@ -40,14 +44,18 @@ class Plan:
 class EdfScheduler:
     """Items need a `deadline` attribute or are passed with one to `add`."""
 
-    def __init__(self, *, max_batch: int, latency: LatencyModel, max_wait_s: float = 0.004):
+    def __init__(self, *, max_batch: int, latency: LatencyModel, max_wait_s: float = 0.004,
+                 probe_interval_s: float = 1.0):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.max_batch = max_batch
         self.latency = latency
         self.max_wait_s = max_wait_s
+        self.probe_interval_s = probe_interval_s
         self._pending: list[_Entry] = []
         self._order = itertools.count()
+        self._last_dispatch: Optional[float] = None
+        self.probes = 0
 
     def add(self, item: Any, *, deadline: float, now: float) -> None:
         self._pending.append(_Entry(deadline, next(self._order), now, item))
@@ -69,12 +77,25 @@ class EdfScheduler:
     def update(self, batch_size: int, seconds: float) -> None:
         self.latency.observe(batch_size, seconds)
 
+    def _probe_due(self, now: float) -> bool:
+        if self._last_dispatch is None:
+            self._last_dispatch = now  # the clock starts at the first frame seen
+            return False
+        return now - self._last_dispatch >= self.probe_interval_s
+
     def schedule(self, now: float) -> Plan:
         plan = Plan()
         est1 = self.latency.estimate(1)
         keep = []
         for e in self._pending:
             (plan.dropped if now + est1 > e.deadline else keep).append(e)
+        if not keep and plan.dropped and self._probe_due(now):
+            probe = max(plan.dropped, key=lambda e: (e.deadline, e.order))
+            plan.dropped.remove(probe)
+            plan.dropped = [e.item for e in plan.dropped]
+            plan.batch, self._pending = [probe.item], []
+            self._last_dispatch, self.probes = now, self.probes + 1
+            return plan
         plan.dropped = [e.item for e in plan.dropped]
         if not keep:
             self._pending = []
@@ -95,6 +116,7 @@ class EdfScheduler:
         if full or capped or now >= t_wait or (math.isfinite(t_latest) and now >= t_latest):
             plan.batch = [e.item for e in keep[:b]]
             self._pending = keep[b:]
+            self._last_dispatch = now
             if self._pending:
                 plan.wake_at = now
         else:

@@ -59,7 +59,8 @@ def parse_args() -> argparse.Namespace:
                    help="official SAM 2 checkpoint (.pt); default: random weights (masks are meaningless)")
     p.add_argument("--config", default="sam2.1_hiera_t", help="sam2 model config (default: %(default)s)")
     p.add_argument("--image-size", type=int, default=1024,
-                   help="encoder input size, a multiple of 32; must match the checkpoint's (default: %(default)s)")
+                   help="encoder input size, a multiple of 32; 512 or 256 trade accuracy for speed "
+                        "(default: %(default)s, SAM 2's own)")
     p.add_argument("--out", type=Path, default=Path("out.mp4"), help="annotated mp4 (default: %(default)s)")
     p.add_argument("--png", type=int, default=10, metavar="N",
                    help="also save annotated frame N as a PNG next to the mp4 (default: 10, or the last frame)")

@@ -123,3 +123,22 @@ def test_latency_model_interpolates_conservatively():
 def test_rejects_bad_max_batch():
     with pytest.raises(ValueError, match="max_batch must be >= 1"):
         EdfScheduler(max_batch=0, latency=LatencyModel())
+
+
+def test_probe_recovers_from_a_pessimistic_estimate():
+    """A slow spell pushed the estimate past the budget: without a probe every frame would be dropped for ever."""
+    s = make(max_batch=2, times={1: 5.0})  # believes a frame takes 5 s; the budget below is 1 s
+    t = 0.0
+    add(s, t, Item("f0", t + 1.0))
+    assert names(s.schedule(t).dropped) == ["f0"]            # no probe yet: the interval starts now
+    t = 0.5
+    add(s, t, Item("f1", t + 1.0))
+    assert names(s.schedule(t).dropped) == ["f1"]
+    t = 1.0
+    add(s, t, Item("f2", t + 1.0), Item("f3", t + 1.01))
+    plan = s.schedule(t)
+    assert names(plan.batch) == ["f3"] and names(plan.dropped) == ["f2"] and s.probes == 1  # the newest runs
+    for _ in range(20):
+        s.update(1, 0.05)  # it was fast after all
+    add(s, 1.2, Item("f4", 2.2))
+    assert names(s.schedule(1.2).batch) == ["f4"]
