@@ -161,6 +161,15 @@ class SourceConfig(_Strict):
     """Cap of the exponential reconnect backoff."""
 
 
+class FaultsConfig(_Strict):
+    max_failures: int = Field(3, ge=1)
+    """This many failed or hung batches in one pool within window_s -> engine dead (exit code 3)."""
+    window_s: float = Field(60.0, gt=0)
+    """Window of max_failures."""
+    batch_timeout_s: float = Field(30.0, gt=0)
+    """Watchdog: a batch running longer is declared hung, its frames fail and its worker is replaced."""
+
+
 class MetricsConfig(_Strict):
     enabled: bool = True
     """Serve Prometheus metrics."""
@@ -194,6 +203,8 @@ class EngineConfig(_Strict):
     """Timeouts and reconnect policy of sources."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Prometheus endpoint."""
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """Worker failure handling."""
     status: StatusConfig = Field(default_factory=StatusConfig)
     """Console status line."""
     shutdown_timeout_s: float = Field(5.0, gt=0)

@@ -45,10 +45,11 @@ class StreamState:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, *, workers: Optional[dict[str, Worker]] = None,
-                 ctx: Optional[zmq.Context] = None):
+                 worker_factories: Optional[dict] = None, ctx: Optional[zmq.Context] = None):
         self.cfg = cfg
         self.state = "created"
         self._injected = workers or {}
+        self._factories = dict(worker_factories or {})
         self._ctx = ctx
         self.pools: dict[str, Pool] = {}
         self.streams: dict[str, StreamState] = {}
@@ -71,6 +72,8 @@ class Engine:
                 first = ClassifierWorker(vit)  # loads the model once; the other instances share it
                 workers = [first] + [ClassifierWorker(vit, model=first.model, weights_tag=first.weights_tag)
                                      for _ in range(vit.workers - 1)]
+                self._factories.setdefault("vit", lambda: ClassifierWorker(vit, model=first.model,
+                                                                           weights_tag=first.weights_tag))
             specs.append({"name": "vit", "workers": workers, "max_batch": vit.max_batch, "threads": vit.threads})
         sam = cfg.models.sam2
         if sam is not None:
@@ -81,6 +84,8 @@ class Engine:
                 first = Sam2EncoderWorker(sam)
                 workers = [first] + [Sam2EncoderWorker(sam, model=first.model, weights_tag=first.weights_tag)
                                      for _ in range(sam.encoders - 1)]
+                self._factories.setdefault("sam2", lambda: Sam2EncoderWorker(sam, model=first.model,
+                                                                              weights_tag=first.weights_tag))
             self.decoder = DecoderStage(workers[0].model)
             specs.append({"name": "sam2", "workers": workers, "max_batch": sam.max_batch, "threads": sam.threads,
                           "stage2": Sam2Stage(self.decoder, self._emit)})
@@ -100,7 +105,9 @@ class Engine:
             pool = Pool(spec["name"], spec["workers"], max_batch=spec["max_batch"],
                         max_wait_s=cfg.budget.max_batch_wait_ms / 1e3, threads=spec["threads"],
                         publisher=self.publisher, metrics=self.metrics, on_stream_done=self._pool_done,
-                        stage2=spec.get("stage2"))
+                        stage2=spec.get("stage2"), worker_factory=self._factories.get(spec["name"]),
+                        max_failures=cfg.faults.max_failures, failure_window_s=cfg.faults.window_s,
+                        batch_timeout_s=cfg.faults.batch_timeout_s)
             pool.warmup()
             self.pools[spec["name"]] = pool
         if cfg.publish.min_subscribers:

@@ -41,14 +41,20 @@ class WorkerThread:
         self._threads, self._on_done, self._clock = threads, on_done, clock
         self._inbox: queue.Queue = queue.Queue(maxsize=1)
         self.idle = True
+        self.abandoned = False  # set by the watchdog: whatever this thread finishes is ignored
+        self.current: Optional[tuple[int, list[FrameView]]] = None
+        self.busy_since: Optional[float] = None
         self._thread = threading.Thread(target=self._run, name=f"worker-{name}-{index}", daemon=True)
         self._thread.start()
 
     def submit(self, batch_id: int, frames: list[FrameView]) -> None:
         self.idle = False
+        self.current, self.busy_since = (batch_id, frames), self._clock()
         self._inbox.put((batch_id, frames))
 
     def stop(self, timeout: float) -> bool:
+        if self.abandoned:
+            return True  # a hung thread cannot be stopped; it is a daemon and holds nothing we need
         try:
             self._inbox.put(None, timeout=timeout)
         except queue.Full:
@@ -65,7 +71,10 @@ class WorkerThread:
             if item is None:
                 return
             batch_id, frames = item
-            self._on_done(self._execute(batch_id, frames))
+            res = self._execute(batch_id, frames)
+            self.current, self.busy_since = None, None
+            if not self.abandoned:
+                self._on_done(res)
 
     def _execute(self, batch_id: int, frames: list[FrameView]) -> BatchResult:
         res = BatchResult(batch_id, frames, worker=self.index)

@@ -23,6 +23,7 @@ class DropReason(str, Enum):
 
 class FailReason(str, Enum):
     MODEL_ERROR = "model_error"
+    MODEL_HANG = "model_hang"        # the batch outran faults.batch_timeout_s; its worker was replaced
     PREPROCESS_ERROR = "preprocess_error"
 
 

@@ -35,6 +35,8 @@ class Pool:
                  publisher: Publisher, threads: Optional[int] = None, metrics: Optional[Metrics] = None,
                  on_stream_done: Callable[[str, str], None] = lambda p, s: None,
                  stage2: Optional[Callable[[list, list], list]] = None,
+                 worker_factory: Optional[Callable[[], Worker]] = None,
+                 max_failures: int = 3, failure_window_s: float = 60.0, batch_timeout_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic):
         if not workers:
             raise ValueError("a pool needs at least one worker")
@@ -45,6 +47,11 @@ class Pool:
         self._publisher, self._metrics, self._on_done = publisher, metrics, on_stream_done
         self._clock, self._threads = clock, threads
         self._stage2 = stage2  # a shared stage run in dispatch order after the workers (SAM 2's decoder)
+        # Faults: a failed or hung batch gets a fresh worker; K failures in W seconds kill the engine.
+        self._factory = worker_factory
+        self._max_failures, self._window_s, self._batch_timeout_s = max_failures, failure_window_s, batch_timeout_s
+        self._failures: deque = deque()
+        self.rebuilds = 0
         self._rings: dict[str, FrameRing] = {}
         self._done: set[str] = set()
         self._removals: list = []
@@ -91,8 +98,7 @@ class Pool:
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
 
     def start(self) -> None:
-        self._runners = [WorkerThread(self.name, i, w, threads=self._threads, on_done=self._completed_batch,
-                                      clock=self._clock) for i, w in enumerate(self.workers)]
+        self._runners = [self._new_runner(i, w) for i, w in enumerate(self.workers)]
         self._thread.start()
 
     def stop(self, *, drain: bool, timeout: float) -> bool:
@@ -113,7 +119,46 @@ class Pool:
 
     # -- dispatcher thread --------------------------------------------------------------------
     def _idle_runner(self) -> Optional[WorkerThread]:
-        return next((r for r in self._runners if r.idle), None)
+        return next((r for r in self._runners if r.idle and not r.abandoned), None)
+
+    def _new_runner(self, index: int, worker: Worker) -> WorkerThread:
+        return WorkerThread(self.name, index, worker, threads=self._threads, on_done=self._completed_batch,
+                            clock=self._clock)
+
+    def _watchdog(self, now: float) -> None:
+        """A batch running longer than batch_timeout_s is hung: fail its frames, replace its worker."""
+        for i, r in enumerate(self._runners):
+            current, since = r.current, r.busy_since
+            if current is None or since is None or now - since <= self._batch_timeout_s:
+                continue
+            batch_id, frames = current
+            r.abandoned = True
+            for fv in frames:
+                fv.release()
+            log.error("pool %s: batch of %d hung for %.1f s on worker %d: replacing the worker", self.name,
+                      len(frames), now - since, i)
+            self._runners[i] = self._new_runner(i, self._rebuilt(i))
+            err = TimeoutError(f"batch outran faults.batch_timeout_s={self._batch_timeout_s}")
+            self._completed_batch(BatchResult(batch_id, frames, fail_reason=FailReason.MODEL_HANG, error=err,
+                                              worker=i))
+
+    def _rebuilt(self, i: int) -> Worker:
+        """A fresh worker instance for slot i (the old one may be in a bad state)."""
+        if self._factory is None:
+            return self.workers[i]
+        self.rebuilds += 1
+        self.workers[i] = self._factory()
+        return self.workers[i]
+
+    def _record_failure(self, reason: str) -> None:
+        now = self._clock()
+        self._failures.append(now)
+        while self._failures and now - self._failures[0] > self._window_s:
+            self._failures.popleft()
+        if len(self._failures) >= self._max_failures and self.error is None:
+            from .errors import EngineDeadError
+            self.error = EngineDeadError(f"pool {self.name}: {len(self._failures)} failed batches within "
+                                         f"{self._window_s:g} s (last: {reason})")
 
     def _run(self) -> None:
         try:
@@ -125,6 +170,7 @@ class Pool:
                 self._apply_removals()
                 while self._timings:
                     self.scheduler.update(*self._timings.popleft())
+                self._watchdog(self._clock())
                 runner = self._idle_runner()
                 wake_at = None
                 if runner is not None:
@@ -183,11 +229,16 @@ class Pool:
     # -- completion (called on worker threads) ------------------------------------------------
     def _completed_batch(self, res: BatchResult) -> None:
         with self._out_lock:
+            if res.batch_id < self._next_publish or res.batch_id in self._completed:
+                return  # already resolved (the watchdog declared it hung)
             self._completed[res.batch_id] = res
             while self._next_publish in self._completed:
                 self._finish(self._completed.pop(self._next_publish))
                 self._next_publish += 1
-        self._runners[res.worker].idle = True
+        runner = self._runners[res.worker]
+        if res.fail_reason is not None and res.fail_reason is not FailReason.MODEL_HANG and self._factory:
+            runner.worker = self._rebuilt(res.worker)  # this runs on the runner's own thread: safe to swap
+        runner.idle = True
         self.wake()
 
     def _finish(self, res: BatchResult) -> None:
@@ -196,6 +247,7 @@ class Pool:
                 self.acct.fail(fv.meta.stream, res.fail_reason)
             log.error("pool %s: batch of %d failed (%s): %s: %s", self.name, len(res.frames),
                       res.fail_reason.value, type(res.error).__name__, res.error)
+            self._record_failure(f"{res.fail_reason.value}: {res.error}")
             return
         if self._stage2 is not None:
             t0 = self._clock()

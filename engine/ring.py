@@ -39,9 +39,13 @@ class FrameView:
     pixels: torch.Tensor
     ring: "FrameRing"
     slot: int
+    released: bool = False
 
     def release(self) -> None:
-        self.ring.release(self.slot)
+        """Idempotent: a watchdog may release the slots of a hung batch that later releases them too."""
+        if not self.released:
+            self.released = True
+            self.ring.release(self.slot)
 
     def __repr__(self) -> str:  # shapes, never pixels
         return f"FrameView({self.meta.stream}#{self.meta.seq}, {tuple(self.pixels.shape)}, slot={self.slot})"

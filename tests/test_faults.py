@@ -1,0 +1,70 @@
+"""G6: worker faults are contained. A failing batch fails its frames and gets a fresh worker; a hung
+batch is caught by the watchdog; K failures within W seconds make the engine dead (exit code 3)."""
+
+import time
+
+import pytest
+
+from engine.engine import Engine
+from engine.runtime import EXIT_DEAD, run
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config
+from tests.test_e2e import Collector
+
+
+def wait(pred, timeout=20):
+    t_end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < t_end:
+        time.sleep(0.02)
+    return pred()
+
+
+def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
+    built = []
+
+    def factory():
+        built.append(NullWorker())
+        return built[-1]
+    first = NullWorker(fail_on_batch=3)
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=40", "mode": "offline"}],
+                        endpoint, models={"vit": {"max_batch": 2}})
+    eng = Engine(cfg, workers={"vit": [first]}, worker_factories={"vit": factory})
+    eng.start()
+    assert wait(eng.finished)
+    eng.stop()
+    s = eng.pools["vit"].acct.snapshot("s")
+    assert s.failed == {"model_error": first.batch_sizes[2]} and s.published == 40 - first.batch_sizes[2]
+    assert len(built) == 1 and built[0].batches > 0 and first.batches == 3  # the broken one ran no more
+    assert eng.check_dead() is None  # one failure is not K
+
+
+def test_hung_batch_is_caught_by_the_watchdog(endpoint):
+    hung = NullWorker(hang_on_batch=2)
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=30", "mode": "offline"}],
+                        endpoint, models={"vit": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
+    eng = Engine(cfg, workers={"vit": [hung]}, worker_factories={"vit": NullWorker})
+    eng.start()
+    assert wait(eng.finished)
+    eng.stop()
+    hung.release_hang.set()
+    s = eng.pools["vit"].acct.snapshot("s")
+    assert s.failed == {"model_hang": hung.batch_sizes[1]} and s.published + s.failed["model_hang"] == 30
+    assert eng.pools["vit"].rebuilds == 1 and s.in_flight == 0
+
+
+def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):
+    cfg = engine_config([{"id": f"s{i}", "url": "synthetic://shapes?size=64x64&fps=30"} for i in range(2)],
+                        endpoint, faults={"max_failures": 3, "window_s": 10}, publish={"min_subscribers": 1},
+                        control={"enabled": False})
+
+    class Broken(NullWorker):
+        def infer(self, inputs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    col = Collector(endpoint, ["s0", "s1"])
+    eng = Engine(cfg, workers={"vit": [Broken()]}, worker_factories={"vit": Broken})
+    t0 = time.monotonic()
+    assert run(eng) == EXIT_DEAD
+    assert time.monotonic() - t0 < 10
+    eos = [m for m in col.wait(10) if m["type"] == "event" and m["kind"] == "eos"]
+    assert sorted(m["stream"] for m in eos) == ["s0", "s1"]
+    assert all("3 failed batches within 10 s" in m["reason"] and "illegal memory access" in m["reason"] for m in eos)
