@@ -219,7 +219,7 @@ class Engine:
             if st.pools_done < set(self.pools):
                 return
             st.eos_queued = True
-        reason = st.reason or (st.runner.end_reason if st.runner else "") or "end of stream"
+        reason = self.dead_reason or st.reason or (st.runner.end_reason if st.runner else "") or "end of stream"
         st.failed = st.failed or bool(st.runner and st.runner.failed)
 
         def sent() -> None:
@@ -233,7 +233,8 @@ class Engine:
     def check_dead(self) -> Optional[str]:
         for pool in self.pools.values():
             if pool.error is not None and self.dead_reason is None:
-                self.dead_reason = f"pool {pool.name} crashed: {type(pool.error).__name__}: {pool.error}"
+                self.dead_reason = (f"engine dead: {pool.error}" if isinstance(pool.error, EngineDeadError) else
+                                    f"engine dead: pool {pool.name} crashed: {type(pool.error).__name__}: {pool.error}")
         return self.dead_reason
 
     # -- stop -------------------------------------------------------------------------------

@@ -88,7 +88,7 @@ async def _main(engine: Engine) -> int:
         except asyncio.TimeoutError:
             pass
         if engine.check_dead():
-            log.error("engine dead: %s", engine.dead_reason)
+            log.error("%s", engine.dead_reason)
             code = EXIT_DEAD
             break
         if engine.finished():

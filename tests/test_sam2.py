@@ -82,7 +82,7 @@ def test_two_streams_batched_each_equal_its_own_run(model, ckpt, clips, tmp_path
     assert_equal_to_reference(ours["b"], ref_b)
     assert_equal_to_reference(ours["a"], reference_masks(ckpt, fa, PROMPTS, tmp_path))
     # steady state: one decoder call per step for all 2 streams x 2 objects
-    assert stage.calls[-10:] == [4] * 10
+    assert list(stage.calls)[-10:] == [4] * 10
 
 
 def test_object_added_mid_stream(model, ckpt, clips, tmp_path):
