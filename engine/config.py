@@ -153,8 +153,9 @@ class RingConfig(_Strict):
 class SourceConfig(_Strict):
     open_timeout_s: float = Field(5.0, gt=0)
     """Network sources: timeout to open (PyAV timeout=(open, read))."""
-    read_timeout_s: float = Field(5.0, gt=0)
-    """Network sources: timeout of one read. PyAV notices a hung server after about twice this."""
+    stall_timeout_s: float = Field(5.0, gt=0)
+    """Network sources: no packet for this long -> reconnecting. (PyAV's read timeout is set to half
+    of it: measured here, PyAV notices a hung server after about twice its timeout.)"""
     reconnect_initial_s: float = Field(0.5, gt=0)
     """First reconnect delay after a network stream ends or fails."""
     reconnect_max_s: float = Field(30.0, gt=0)

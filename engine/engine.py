@@ -96,7 +96,7 @@ class Engine:
     def start(self) -> None:
         self.state = "starting"
         cfg = self.cfg
-        self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self._ring_overwrites)
+        self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters)
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx,
@@ -137,7 +137,8 @@ class Engine:
             self.decoder.add_stream(scfg.id)
         try:
             source = open_source(scfg.id, scfg.url, open_timeout_s=self.cfg.source.open_timeout_s,
-                                 read_timeout_s=self.cfg.source.read_timeout_s)
+                                 read_timeout_s=self.cfg.source.stall_timeout_s / 2,
+                                 max_frame_pixels=self.cfg.ring.max_frame_pixels)
         except SourceError as err:  # bad URL syntax: this stream fails, the others run
             log.error("%s", err)
             self._emit(scfg.id, "error", err.reason)
@@ -206,8 +207,16 @@ class Engine:
         if self.publisher is not None:
             self.publisher.submit_event(stream, kind, reason)
 
-    def _ring_overwrites(self) -> dict:
-        return {s: st.ring.overwrites for s, st in list(self.streams.items()) if st.ring is not None}
+    def stream_counters(self) -> dict[str, dict[str, int]]:
+        """Per-stream counters outside the frame accounting (metrics and the status line)."""
+        out: dict[str, dict[str, int]] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}}
+        for sid, st in list(self.streams.items()):
+            if st.ring is not None:
+                out["ring_overwrites"][sid] = st.ring.overwrites
+            if st.runner is not None:
+                out["decode_errors"][sid] = st.runner.source.decode_errors
+                out["reconnects"][sid] = st.runner.reconnects
+        return out
 
     # -- stream completion -----------------------------------------------------------------
     def _pool_done(self, pool: str, stream: str) -> None:

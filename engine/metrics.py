@@ -17,9 +17,16 @@ STAGES = ("decode", "queue_wait", "batch_wait", "inference", "publish")
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.017, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
+STREAM_COUNTERS = {  # name -> help; values come from the engine's per-stream counters
+    "ring_overwrites": "Live frames overwritten in a full ring",
+    "decode_errors": "Corrupt packets skipped (the decoder resyncs at the next keyframe)",
+    "reconnects": "Network sessions that ended and were reconnected",
+}
+
+
 class _AccountingCollector:
-    def __init__(self, accountings: Callable[[], Iterable[Accounting]], ring_overwrites: Callable[[], dict]):
-        self._accountings, self._ring_overwrites = accountings, ring_overwrites
+    def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict]):
+        self._accountings, self._stream_counters = accountings, stream_counters
 
     def collect(self):
         ing = CounterMetricFamily("vidar_frames_ingested", "Frames written into a stream's ring", labels=["stream", "pool"])
@@ -37,16 +44,19 @@ class _AccountingCollector:
                     drop.add_metric([stream, acct.pool, reason], n)
                 for reason, n in s.failed.items():
                     fail.add_metric([stream, acct.pool, reason], n)
-        ovr = CounterMetricFamily("vidar_ring_overwrites", "Live frames overwritten in a full ring", labels=["stream"])
-        for stream, n in self._ring_overwrites().items():
-            ovr.add_metric([stream], n)
-        yield from (ing, pub, drop, fail, infl, ovr)
+        yield from (ing, pub, drop, fail, infl)
+        counters = self._stream_counters()
+        for name, help_text in STREAM_COUNTERS.items():
+            fam = CounterMetricFamily(f"vidar_{name}", help_text, labels=["stream"])
+            for stream, n in counters.get(name, {}).items():
+                fam.add_metric([stream], n)
+            yield fam
 
 
 class Metrics:
-    def __init__(self, accountings: Callable[[], Iterable[Accounting]], ring_overwrites: Callable[[], dict]):
+    def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict]):
         self.registry = CollectorRegistry()  # per engine: tests run several engines in one process
-        self.registry.register(_AccountingCollector(accountings, ring_overwrites))
+        self.registry.register(_AccountingCollector(accountings, stream_counters))
         self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",
                                ["pool", "stage"], buckets=_BUCKETS, registry=self.registry)
         self._server = None

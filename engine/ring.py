@@ -77,6 +77,8 @@ class FrameRing:
         self._meta: list[Optional[FrameMeta]] = []
         self._ready_order: list[int] = []  # READY slots, oldest first
         self._closed = False
+        self._shape: tuple[int, int] = (0, 0)
+        self._limit = 0
         self.overwrites = 0
         self.reallocations = 0
 
@@ -87,20 +89,35 @@ class FrameRing:
         self._arrays = [None] * n
         self._state = [SlotState.FREE] * n
         self._meta = [None] * n
+        self._shape, self._limit = (h, w), n
+
+    def _resize(self, h: int, w: int) -> None:
+        """The stream's frame size changed: slots follow it one by one as they are reused, and the
+        number of usable slots is recomputed from the budget, so memory stays within it. Slots past
+        the new limit are freed as soon as they are released."""
+        self.reallocations += 1
+        self._shape = (h, w)
+        self._limit = min(len(self._state), slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+        for i in range(self._limit, len(self._state)):
+            if self._state[i] is SlotState.FREE:
+                self._slots[i] = self._arrays[i] = None
+
+    def allocated_bytes(self) -> int:
+        with self._cond:
+            return sum(a.nbytes for a in self._arrays if a is not None)
 
     def _slot_array(self, i: int, h: int, w: int) -> np.ndarray:
         arr = self._arrays[i]
         if arr is None or arr.shape[0] != h or arr.shape[1] != w:
-            if arr is not None:
-                self.reallocations += 1  # frame size changed mid-stream: this slot follows it
+            self._slots[i] = self._arrays[i] = None  # free the old size first: never hold both
             t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
             self._slots[i], self._arrays[i] = t, t.numpy()
             arr = self._arrays[i]
         return arr
 
     def _free_slot(self) -> Optional[int]:
-        for i, s in enumerate(self._state):
-            if s is SlotState.FREE:
+        for i in range(self._limit):
+            if self._state[i] is SlotState.FREE:
                 return i
         return None
 
@@ -118,11 +135,15 @@ class FrameRing:
         with self._cond:
             if not self._state:
                 self._allocate(h, w)
+            elif (h, w) != self._shape:
+                self._resize(h, w)
             i = self._free_slot()
             while i is None and not self._closed:
                 if self.live:
-                    if self._ready_order:  # drop-oldest: the frame the scheduler has not taken yet
-                        i = self._ready_order.pop(0)
+                    usable = [j for j in self._ready_order if j < self._limit]
+                    if usable:  # drop-oldest: the frame the scheduler has not taken yet
+                        i = usable[0]
+                        self._ready_order.remove(i)
                         old = self._meta[i]
                         self.overwrites += 1
                         self._acct.ingest(self.stream)  # count the new frame before the old one's drop,
@@ -176,6 +197,8 @@ class FrameRing:
         with self._cond:
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
+            if slot >= self._limit:  # past the limit after a size change: give the memory back
+                self._slots[slot] = self._arrays[slot] = None
             self._cond.notify_all()
 
     @property

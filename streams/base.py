@@ -60,15 +60,20 @@ class Source(ABC):
 
     #: corrupt packets skipped so far (the decoder resyncs at the next keyframe)
     decode_errors: int = 0
+    #: why the last session ended early (a read timeout, a connection reset), if it did
+    session_error: str = ""
 
 
-def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 5.0) -> Source:
+def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
+                max_frame_pixels: int = 8192 * 8192) -> Source:
     """The Source for a URL: synthetic://..., rtsp(s)://..., or a file path (file:// accepted)."""
     if url.startswith("synthetic://"):
         from .synthetic import SyntheticSource
         return SyntheticSource(stream_id, url)
     if url.startswith(("rtsp://", "rtsps://")):
         from .pyav import RtspSource
-        return RtspSource(stream_id, url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s)
+        return RtspSource(stream_id, url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s,
+                          max_frame_pixels=max_frame_pixels)
     from .pyav import FileSource
-    return FileSource(stream_id, url[len("file://"):] if url.startswith("file://") else url)
+    return FileSource(stream_id, url[len("file://"):] if url.startswith("file://") else url,
+                      max_frame_pixels=max_frame_pixels)

@@ -22,11 +22,12 @@ _NOT_VIDEO_FORMATS = {"tty"}
 
 
 class _PyAVSource(Source):
-    def __init__(self, stream_id: str, url: str):
+    def __init__(self, stream_id: str, url: str, *, max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url)
         self._container = None
         self._stream = None
         self.decode_errors = 0
+        self.max_frame_pixels = max_frame_pixels
 
     def _open_options(self) -> dict:
         return {}
@@ -52,6 +53,11 @@ class _PyAVSource(Source):
             self.close()
             raise SourceOpenError(self.stream_id, f"{self.display_url!r} has no video stream (audio only?)")
         self._stream = self._container.streams.video[0]
+        w, h = self._stream.codec_context.width or 0, self._stream.codec_context.height or 0
+        if w * h > self.max_frame_pixels:  # checked before a single frame is decoded or allocated
+            self.close()
+            raise SourceOpenError(self.stream_id, f"{self.display_url!r} claims {w}x{h} frames, over "
+                                                  f"ring.max_frame_pixels={self.max_frame_pixels}; raise it if real")
         self._stream.thread_type = "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else None
@@ -72,15 +78,18 @@ class _PyAVSource(Source):
         tb = float(self._stream.time_base) if self._stream.time_base else 0.0
         n = 0
         t0 = time.perf_counter()
+        self.session_error = ""
         packets = self._container.demux(self._stream)
         while True:
             try:
                 packet = next(packets)
             except StopIteration:
                 break
-            except av.error.FFmpegError:
-                self.decode_errors += 1  # unreadable packet: skip it, demuxing goes on
-                continue
+            except (av.error.FFmpegError, OSError) as err:
+                # A demuxer that raised is finished (a read timeout, a reset connection, a truncated
+                # file): the session ends here, with its reason; the runner decides what follows.
+                self.session_error = redact_url(str(err))
+                break
             try:
                 decoded = packet.decode()
             except av.error.FFmpegError:
@@ -113,8 +122,9 @@ class RtspSource(_PyAVSource):
 
     network = True
 
-    def __init__(self, stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 5.0):
-        super().__init__(stream_id, url)
+    def __init__(self, stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
+                 max_frame_pixels: int = 8192 * 8192):
+        super().__init__(stream_id, url, max_frame_pixels=max_frame_pixels)
         self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
 
     def _open_options(self) -> dict:

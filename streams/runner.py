@@ -93,7 +93,13 @@ class SourceRunner:
             if not self.loop or self._stop.is_set():
                 break
             self.source.open()  # loop: start the file again; seq keeps counting
-        self.end_reason = "stopped" if self._stop.is_set() else "end of stream"
+        if self._stop.is_set():
+            self.end_reason = "stopped"
+        elif self.source.session_error:  # a truncated or unreadable file: what was readable was delivered
+            log.warning("stream %s: ended early: %s", self.stream, self.source.session_error)
+            self.end_reason = f"ended early: {self.source.session_error}"
+        else:
+            self.end_reason = "end of stream"
 
     def _run_network(self) -> None:
         delay = self.reconnect_initial_s
@@ -126,8 +132,10 @@ class SourceRunner:
             # The decode loop ended: for RTSP that is a disconnect (server gone), not an eos.
             self.reconnects += 1
             self.state = "reconnecting"
-            log.warning("stream %s: disconnected; reconnecting", self.stream)
-            self._emit(self.stream, "reconnecting", "stream ended (server closed or connection lost)")
+            why = (f"no packet for {2 * self.source.read_timeout_s:g} s or connection lost: {self.source.session_error}"
+                   if self.source.session_error else "stream ended (server closed the session)")
+            log.warning("stream %s: disconnected (%s); reconnecting", self.stream, why)
+            self._emit(self.stream, "reconnecting", why)
             self._stop.wait(min(1.0, delay))  # first retry within 1 s
         self.end_reason = "stopped"
 

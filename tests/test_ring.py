@@ -104,3 +104,22 @@ def test_size_change_reallocates_the_slot():
     r.write(*frame(1, h=4, w=6))
     (fv,) = r.take_ready()
     assert fv.pixels.shape == (4, 6, 3) and r.reallocations == 1
+
+
+def test_size_change_keeps_memory_within_the_budget():
+    acct = Accounting("vit")
+    r = FrameRing("s", live=True, accounting=acct, memory_bytes=4 * 8 * 8 * 3, min_slots=2, max_slots=4,
+                  max_frame_pixels=10**8, pin=False)
+    for i in range(4):
+        r.write(*frame(i))
+    for fv in r.take_ready():
+        fv.release()
+    assert r.capacity == 4 and r.allocated_bytes() == 4 * 8 * 8 * 3
+    for i in range(4, 10):  # 4x larger frames: the budget now holds 2 slots (min_slots)
+        r.write(*frame(i, h=16, w=16))
+        for fv in r.take_ready():
+            assert fv.pixels.shape == (16, 16, 3)
+            fv.release()
+    assert r.allocated_bytes() <= 2 * 16 * 16 * 3
+    s = acct.snapshot("s")
+    assert s.ingested == 10 and s.balanced()

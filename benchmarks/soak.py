@@ -1,0 +1,596 @@
+"""Soak test: N minutes of four live streams under faults; fails if resources trend upward.
+
+Runs the engine in-process with the real tiny classifier (timm test_vit, random weights,
+2 workers x 1 thread on the CPU) on four live streams:
+  cam0, cam1  synthetic://shapes 320x240 @ 15 fps
+  cam2        RTSP from Debian's GStreamer server (tests/rtsp_server.py --pattern), killed and
+              restarted every --rtsp-restart-s (first at that minus 30 s); a third synthetic
+              stream when the server is not installed (the JSON says so)
+  bad0        a looping H.264 file with ~2 % of its payload bytes flipped: corrupt bursts every loop
+and meanwhile:
+  * a slow subscriber (20 ms per message, RCVHWM 50, small kernel buffer) reads every result,
+  * every --disconnect-every-s one synthetic stream is removed and re-added (same id)
+    --reconnect-after-s later, round robin,
+  * once, half-way, one batch of worker 0 raises (the pool must rebuild the worker and go on).
+
+Every --sample-s it samples RSS, open fds and threads (OS and Python) and every stream's
+accounting, and checks at every sample: ingested == published + dropped + failed + in_flight,
+0 <= in_flight < 200, no counter ever decreases, engine not dead. At the end (after stop):
+in_flight == 0, and the subscriber received exactly what was counted published.
+Trends use the samples after the first 20 % (warm-up): least-squares slopes, and it fails if
+RSS grows more than --rss-mb-per-10min (5) with a last-quarter median above the first-quarter
+median by more than --rss-noise-mb, or if fds / threads' last-quarter median exceeds the
+first-quarter median by more than 2.
+
+Writes benchmarks/results/soak.json (samples, final counts, slopes, checks, verdict, config,
+date, machine), prints a table, exits 1 with the reasons on failure.
+
+usage: .venv/bin/python benchmarks/soak.py [--minutes 30] [--sample-s 10] [--out PATH] [--no-rtsp]
+       (make soak; SOAK_MINUTES=5 make soak)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+T_SCRIPT = time.monotonic()
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import zmq  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.client import Subscriber  # noqa: E402
+from engine.config import StreamConfig, build_config  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.errors import ModelError  # noqa: E402
+from tests.conftest import write_clip  # noqa: E402
+
+log = logging.getLogger("soak")
+
+RTSP_SERVER = ROOT / "tests" / "rtsp_server.py"
+SYSTEM_PY = "/usr/bin/python3"
+IN_FLIGHT_BOUND = 200
+FD_NOISE = 2
+THREAD_NOISE = 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the corrupt clip ------------------------------------------------------------------------
+def corrupt_clip(src: Path, dst: Path, fraction: float, seed: int) -> dict:
+    """Flip `fraction` of the bytes of the mp4's mdat payload (the container boxes stay intact,
+    so the file opens and every loop decodes through corrupt packets)."""
+    data = bytearray(src.read_bytes())
+    off, mdat = 0, None
+    while off + 8 <= len(data):
+        size, typ = struct.unpack(">I4s", data[off:off + 8])
+        hdr = 8
+        if size == 1:
+            size, hdr = struct.unpack(">Q", data[off + 8:off + 16])[0], 16
+        elif size == 0:
+            size = len(data) - off
+        if typ == b"mdat":
+            mdat = (off + hdr, off + size)
+        off += size
+    if mdat is None:
+        raise RuntimeError(f"{src}: no mdat box")
+    rng = np.random.default_rng(seed)
+    a, b = mdat[0] + 64, mdat[1]  # keep the first NAL (SPS/PPS, first slice header) readable
+    n = int(fraction * (b - a))
+    for i in rng.choice(np.arange(a, b), size=n, replace=False):
+        data[int(i)] ^= int(rng.integers(1, 256))
+    dst.write_bytes(bytes(data))
+    return {"mdat_bytes": mdat[1] - mdat[0], "flipped": n}
+
+
+# -- RTSP server -----------------------------------------------------------------------------
+def rtsp_available() -> tuple[bool, str]:
+    if not os.path.exists(SYSTEM_PY):
+        return False, f"{SYSTEM_PY} not found"
+    probe = "import gi; gi.require_version('GstRtspServer','1.0'); from gi.repository import GstRtspServer"
+    r = subprocess.run([SYSTEM_PY, "-c", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, "GStreamer RTSP server bindings missing (scripts/install-rtsp-deps.sh): " + \
+            (r.stderr.strip().splitlines() or ["?"])[-1]
+    return True, ""
+
+
+class RtspServer:
+    """tests/rtsp_server.py --pattern on a fixed port, restartable (same URL for the engine)."""
+
+    def __init__(self, port: int, logdir: Path, fps: int, size: str):
+        self.port, self.logdir, self.fps, self.size = port, logdir, fps, size
+        self.proc: Optional[subprocess.Popen] = None
+        self.url = f"rtsp://127.0.0.1:{port}/test"
+        self.starts = 0
+
+    def start(self, tries: int = 10) -> None:
+        last = ""
+        for _ in range(tries):
+            self.starts += 1
+            with open(self.logdir / f"rtsp_{self.starts}.log", "w") as err:  # the child keeps its own fd
+                p = subprocess.Popen([SYSTEM_PY, str(RTSP_SERVER), "--port", str(self.port), "--pattern",
+                                      "--fps", str(self.fps), "--size", self.size],
+                                     stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True)
+            ready, _, _ = select.select([p.stdout], [], [], 15)
+            line = p.stdout.readline().strip() if ready else ""
+            if line.startswith("READY "):
+                self.proc = p
+                return
+            last = line or (self.logdir / f"rtsp_{self.starts}.log").read_text()[-300:]
+            self._reap(p)
+            time.sleep(0.5)  # the port may still be held by the previous server
+        raise RuntimeError(f"RTSP server did not start on port {self.port}: {last}")
+
+    @staticmethod
+    def _reap(p: subprocess.Popen) -> None:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if p.stdout:
+            p.stdout.close()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self._reap(self.proc)
+            self.proc = None
+
+
+# -- the slow subscriber ----------------------------------------------------------------------
+class SlowSubscriber:
+    """Reads every result and event, sleeping `delay_s` per message while `slow` is set."""
+
+    def __init__(self, endpoint: str, delay_s: float, hwm: int, rcvbuf: int):
+        self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.RCVBUF, rcvbuf)  # applied to the socket before it connects
+        self.sub = Subscriber(endpoint, topics=["vit.", "event."], ctx=self.ctx, hwm=hwm)
+        self.delay_s = delay_s
+        self.slow = threading.Event()
+        self.slow.set()
+        self._stop = threading.Event()
+        self.results: dict[str, int] = {}
+        self.events: list[dict] = []
+        self.max_latency_ms = 0.0
+        self.last_latency_ms = 0.0
+        self.errors = 0
+        self.last_msg = time.monotonic()
+        self._t = threading.Thread(target=self._run, name="soak-subscriber", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self.sub.recv(timeout=0.2)
+            except Exception:  # count and go on: a soak must not die on one bad message
+                self.errors += 1
+                continue
+            if msg is None:
+                continue
+            self.last_msg = time.monotonic()
+            if msg.get("type") == "event":
+                self.events.append({"t": time.time(), "stream": msg["stream"], "kind": msg["kind"],
+                                    "reason": msg["reason"]})
+            else:
+                self.results[msg["stream"]] = self.results.get(msg["stream"], 0) + 1
+                self.last_latency_ms = (time.time() - msg["t_capture"]) * 1e3
+                self.max_latency_ms = max(self.max_latency_ms, self.last_latency_ms)
+            if self.slow.is_set():
+                time.sleep(self.delay_s)
+
+    def drain_and_close(self, idle_s: float = 1.5, max_s: float = 10.0) -> None:
+        self.slow.clear()
+        t_end = time.monotonic() + max_s
+        while time.monotonic() < t_end and time.monotonic() - self.last_msg < idle_s:
+            time.sleep(0.1)
+        self._stop.set()
+        self._t.join(5)
+        self.sub.close()
+        self.ctx.term()
+
+    @property
+    def received(self) -> int:
+        return sum(self.results.values())
+
+
+# -- sampling and checks ----------------------------------------------------------------------
+def snap_dict(s) -> dict:
+    return {"ingested": s.ingested, "published": s.published, "dropped": dict(s.dropped), "failed": dict(s.failed),
+            "in_flight": s.in_flight, "balanced": s.balanced(),
+            "p50_ms": None if s.p50_ms != s.p50_ms else round(s.p50_ms, 1),
+            "p99_ms": None if s.p99_ms != s.p99_ms else round(s.p99_ms, 1)}
+
+
+def counters(s: dict) -> dict:
+    out = {"ingested": s["ingested"], "published": s["published"]}
+    out.update({f"dropped.{k}": v for k, v in s["dropped"].items()})
+    out.update({f"failed.{k}": v for k, v in s["failed"].items()})
+    return out
+
+
+def slope_per_10min(ts: list[float], ys: list[float]) -> float:
+    if len(ts) < 2:
+        return 0.0
+    return float(np.polyfit(np.asarray(ts), np.asarray(ys, dtype=float), 1)[0] * 600.0)
+
+
+def quarter_medians(ys: list[float]) -> tuple[float, float]:
+    q = max(1, len(ys) // 4)
+    return float(np.median(ys[:q])), float(np.median(ys[-q:]))
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.proc = psutil.Process()
+        self.samples: list[dict] = []
+        self.failures: list[str] = []
+        self.actions: list[dict] = []
+        self.eng: Optional[Engine] = None
+        self.t0 = 0.0
+        self.kill_fired = threading.Event()
+        self.kill_at: Optional[float] = None
+        self.kill_fired_t: Optional[float] = None
+
+    def fail(self, why: str) -> None:
+        if why not in self.failures:
+            self.failures.append(why)
+            log.error("FAIL: %s", why)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def sample(self) -> dict:
+        eng = self.eng
+        pool = eng.pools["vit"]
+        streams = {sid: snap_dict(pool.acct.snapshot(sid)) for sid in sorted(pool.acct.streams())}
+        t = self.elapsed()
+        with self.proc.oneshot():
+            rss = self.proc.memory_info().rss
+            threads_os = self.proc.num_threads()
+        rec = {"t": round(t, 2), "rss_mb": round(rss / 2 ** 20, 2), "fds": len(os.listdir("/proc/self/fd")),
+               "threads_os": threads_os, "threads_py": threading.active_count(),
+               "live_streams": sorted(eng.live_streams()), "published": sum(s["published"] for s in streams.values()),
+               "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
+               "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds, "streams": streams}
+        bad = eng.streams.get("bad0")
+        if bad is not None and bad.runner is not None:
+            rec["bad0_decode_errors"] = getattr(bad.runner.source, "decode_errors", None)
+        rt = eng.streams.get("cam2")
+        if rt is not None and rt.runner is not None and rt.runner.source.network:
+            rec["cam2_reconnects"], rec["cam2_state"] = rt.runner.reconnects, rt.runner.state
+        # checks at every sample
+        tag = f"t={t:.0f}s"
+        for sid, s in streams.items():
+            if not s["balanced"]:
+                self.fail(f"{tag}: stream {sid}: conservation broken: {s}")
+            if not 0 <= s["in_flight"] < IN_FLIGHT_BOUND:
+                self.fail(f"{tag}: stream {sid}: in_flight {s['in_flight']} outside [0, {IN_FLIGHT_BOUND})")
+        if self.samples:
+            prev = self.samples[-1]["streams"]
+            for sid, s in streams.items():
+                before = counters(prev[sid]) if sid in prev else {}
+                for k, v in counters(s).items():
+                    if v < before.get(k, 0):
+                        self.fail(f"{tag}: stream {sid}: counter {k} went down {before[k]} -> {v}")
+        dead = eng.check_dead()
+        if dead:
+            self.fail(f"{tag}: {dead}")
+        self.samples.append(rec)
+        inf = max((s["in_flight"] for s in streams.values()), default=0)
+        print(f"  t={t:6.0f}s  rss {rec['rss_mb']:7.1f} MB  fds {rec['fds']:3d}  threads {threads_os:3d} os "
+              f"{rec['threads_py']:2d} py  published {rec['published']:7d}  received {rec['received']:7d}  "
+              f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}", flush=True)
+        return rec
+
+    # -- faults ---------------------------------------------------------------------------------
+    def arm_worker_kill(self) -> None:
+        pool = self.eng.pools["vit"]
+        w = pool.workers[0]
+        soak = self
+
+        def boom(inputs):
+            del w.infer  # once: the instance attribute goes, the class's infer is back
+            soak.kill_fired_t = soak.elapsed()
+            soak.kill_fired.set()
+            raise ModelError("soak: injected worker failure")
+        w.infer = boom
+        self.kill_at = self.elapsed()
+        self.action("worker_kill_armed", worker=0, rebuilds_before=pool.rebuilds)
+
+
+    def action(self, kind: str, **info) -> None:
+        rec = {"t": round(self.elapsed(), 2), "action": kind, **info}
+        self.actions.append(rec)
+        print(f"  t={rec['t']:6.0f}s  >> {kind} {' '.join(f'{k}={v}' for k, v in info.items())}", flush=True)
+
+    # -- the run ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        a = self.args
+        work = Path(tempfile.mkdtemp(prefix="vidar-soak-"))
+        clip = write_clip(work / "clip.mp4", 90, (320, 240), fps=a.fps, seed=3)
+        bad = work / "corrupt.mp4"
+        corruption = corrupt_clip(clip, bad, a.corrupt_fraction, a.seed)
+
+        rtsp_ok, rtsp_why = (False, "disabled by --no-rtsp") if a.no_rtsp else rtsp_available()
+        self.server = None
+        if rtsp_ok:
+            try:
+                self.server = RtspServer(free_port(), work, a.fps, "320x240")
+                self.server.start()
+            except Exception as err:
+                rtsp_ok, rtsp_why, self.server = False, f"server did not start: {err}", None
+        if not rtsp_ok:
+            print(f"RTSP: skipped ({rtsp_why}); cam2 is synthetic", flush=True)
+
+        syn = f"synthetic://shapes?size=320x240&fps={a.fps}"
+        streams = [{"id": "cam0", "url": f"{syn}&seed=0", "mode": "live"},
+                   {"id": "cam1", "url": f"{syn}&seed=1", "mode": "live"},
+                   {"id": "cam2", "url": self.server.url if rtsp_ok else f"{syn}&seed=2", "mode": "live"},
+                   {"id": "bad0", "url": str(bad), "mode": "live", "loop": True}]
+        synthetic_ids = [s["id"] for s in streams if s["url"].startswith("synthetic://")]
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        tree = {"streams": streams,
+                "models": {"vit": {"name": "test_vit", "weights": "random", "max_batch": 4, "workers": 2,
+                                   "threads": 1, "device": "cpu"}},
+                "budget": {"latency_ms": a.latency_ms},
+                "publish": {"endpoint": endpoint, "hwm": 100, "min_subscribers": 1, "wait_subscribers_s": 10},
+                "metrics": {"enabled": False}, "control": {"enabled": False},
+                "source": {"reconnect_initial_s": 0.5, "reconnect_max_s": 5},
+                "faults": {"max_failures": 1000, "window_s": 60, "batch_timeout_s": 5}}
+        cfg, _ = build_config(tree, cuda_available=True)
+        self.config = {"engine": tree, "soak": vars(a), "rtsp": {"used": rtsp_ok, "skipped_because": rtsp_why or None},
+                       "corruption": corruption, "clip": {"frames": 90, "size": "320x240", "fps": a.fps}}
+
+        duration = a.minutes * 60.0
+        self.sub = SlowSubscriber(endpoint, a.sub_delay_ms / 1e3, hwm=a.sub_hwm, rcvbuf=a.sub_rcvbuf)
+        self.eng = eng = Engine(cfg)
+        try:
+            eng.start()
+            self.t0 = time.monotonic()
+            print(f"soak: {a.minutes:g} min, 4 streams ({', '.join(s['id'] for s in streams)}), sample every "
+                  f"{a.sample_s:g} s; setup took {self.t0 - T_SCRIPT:.1f} s", flush=True)
+            # the schedule: (time, kind, argument); disconnects round robin over the synthetic streams
+            plan: list[tuple[float, str, object]] = []
+            k = 1
+            while k * a.disconnect_every_s + a.reconnect_after_s < duration - 1:
+                sid = synthetic_ids[(k - 1) % len(synthetic_ids)]
+                plan.append((k * a.disconnect_every_s, "remove", sid))
+                plan.append((k * a.disconnect_every_s + a.reconnect_after_s, "add", sid))
+                k += 1
+            if rtsp_ok:
+                t = a.rtsp_restart_s - 30
+                while 0 < t < duration - 10:
+                    plan.append((t, "rtsp_restart", None))
+                    t += a.rtsp_restart_s
+            plan.append((duration / 2, "worker_kill", None))
+            plan.sort(key=lambda p: p[0])
+            by_id = {s.id: s for s in cfg.streams}
+            next_sample = 0.0
+            while True:
+                now = self.elapsed()
+                if now >= next_sample - 1e-3:  # a sample first, then the actions due at the same time
+                    self.sample()
+                    next_sample += a.sample_s
+                    if next_sample > duration + 1e-6:
+                        break
+                    continue
+                if plan and now >= plan[0][0]:
+                    _, kind, arg = plan.pop(0)
+                    self.do(kind, arg, by_id)
+                    continue
+                if self.kill_fired.is_set() and not any(x["action"] == "worker_kill_fired" for x in self.actions):
+                    self.action("worker_kill_fired", at=round(self.kill_fired_t, 2))
+                due = min([next_sample] + [p[0] for p in plan[:1]])
+                time.sleep(max(0.0, min(0.25, due - self.elapsed())))
+        except KeyboardInterrupt:
+            self.fail("interrupted")
+        except Exception as err:
+            log.exception("soak crashed")
+            self.fail(f"soak crashed: {type(err).__name__}: {err}")
+        finally:
+            self.soak_s = self.elapsed() if self.t0 else 0.0
+            self.shutdown()
+        return self.report()
+
+    def do(self, kind: str, arg, by_id: dict) -> None:
+        eng = self.eng
+        if kind == "remove":
+            t = time.monotonic()
+            eng.remove_stream(arg)
+            self.action("remove_stream", stream=arg, took_s=round(time.monotonic() - t, 2))
+        elif kind == "add":
+            eng.add_stream(StreamConfig(**by_id[arg].model_dump()))
+            self.action("add_stream", stream=arg)
+        elif kind == "rtsp_restart":
+            t = time.monotonic()
+            self.server.stop()
+            self.server.start()
+            self.action("rtsp_restart", took_s=round(time.monotonic() - t, 2), port=self.server.port)
+        elif kind == "worker_kill":
+            self.arm_worker_kill()
+
+    def shutdown(self) -> None:
+        t = time.monotonic()
+        self.stop_error = None
+        if self.eng is not None:
+            self.sub.slow.clear()  # let the subscriber catch up so nothing is left in ZeroMQ's queues
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and time.monotonic() - self.sub.last_msg < 0.5:
+                time.sleep(0.05)
+            try:
+                self.eng.stop()
+            except Exception as err:  # report, and go on cleaning up
+                log.exception("engine stop failed")
+                self.stop_error = f"{type(err).__name__}: {err}"
+                self.fail(f"eng.stop() raised {self.stop_error}")
+        if self.server is not None:
+            self.server.stop()
+        self.sub.drain_and_close()
+        self.stop_s = time.monotonic() - t
+        self.leftover_threads = sorted(th.name for th in threading.enumerate() if th is not threading.main_thread())
+
+    # -- verdict ------------------------------------------------------------------------------
+    def report(self) -> int:
+        a, eng = self.args, self.eng
+        pool = eng.pools.get("vit") if eng and eng.pools else None
+        final = {sid: snap_dict(pool.acct.snapshot(sid)) for sid in sorted(pool.acct.streams())} if pool else {}
+        for sid, s in final.items():
+            if not s["balanced"]:
+                self.fail(f"final: stream {sid}: conservation broken: {s}")
+            if s["in_flight"] != 0:
+                self.fail(f"final: stream {sid}: {s['in_flight']} frames still in flight after stop")
+        published = {sid: s["published"] for sid, s in final.items()}
+        delivered = dict(sorted(self.sub.results.items()))
+        if published and delivered != {k: v for k, v in published.items() if v}:
+            self.fail(f"final: subscriber received {delivered} but the engine counted {published} published")
+        # the worker kill: fired, the worker rebuilt, results kept flowing
+        kill = {"armed_at": self.kill_at, "fired_at": self.kill_fired_t, "rebuilds": pool.rebuilds if pool else None}
+        if self.kill_at is not None:
+            if not self.kill_fired.is_set():
+                self.fail("worker kill: the injected failure never ran")
+            elif pool.rebuilds != 1:
+                self.fail(f"worker kill: pool rebuilt {pool.rebuilds} workers, expected 1")
+            else:
+                after = [s for s in self.samples if s["t"] >= self.kill_fired_t]
+                kill["failed_frames"] = sum(sum(s["failed"].values()) for s in final.values())
+                if len(after) >= 2:
+                    flow = after[-1]["published"] - after[0]["published"]
+                    kill["published_after"] = flow
+                    if flow <= 0:
+                        self.fail("worker kill: no results after the worker was rebuilt")
+                    per = {sid: after[-1]["streams"].get(sid, {}).get("published", 0)
+                           - after[0]["streams"].get(sid, {}).get("published", 0) for sid in after[-1]["streams"]}
+                    kill["published_after_per_stream"] = per
+                    starved = [sid for sid, n in per.items() if n <= 0]
+                    if starved:
+                        self.fail(f"worker kill: streams {starved} published nothing after the rebuild")
+        elif self.samples and self.soak_s >= self.args.minutes * 60 / 2:
+            self.fail("worker kill: never armed")
+        # trends on the samples after warm-up
+        trend = {}
+        post = self.samples[int(len(self.samples) * 0.2):]
+        if len(post) < 4:
+            self.fail(f"trend: only {len(post)} samples after warm-up; need 4 (run longer or lower --sample-s)")
+        else:
+            ts = [s["t"] for s in post]
+            for key, noise, unit in (("rss_mb", a.rss_noise_mb, "MB"), ("fds", FD_NOISE, ""),
+                                     ("threads_os", THREAD_NOISE, ""), ("threads_py", THREAD_NOISE, "")):
+                ys = [s[key] for s in post]
+                q1, q4 = quarter_medians(ys)
+                trend[key] = {"slope_per_10min": round(slope_per_10min(ts, ys), 3), "first_quarter_median": q1,
+                              "last_quarter_median": q4, "min": min(ys), "max": max(ys), "noise": noise}
+            r = trend["rss_mb"]
+            if r["slope_per_10min"] > a.rss_mb_per_10min and r["last_quarter_median"] > r["first_quarter_median"] + a.rss_noise_mb:
+                self.fail(f"trend: RSS grows {r['slope_per_10min']:.1f} MB per 10 min (limit {a.rss_mb_per_10min:g}); "
+                          f"median {r['first_quarter_median']:.1f} -> {r['last_quarter_median']:.1f} MB")
+            for key in ("fds", "threads_os", "threads_py"):
+                r = trend[key]
+                if r["last_quarter_median"] > r["first_quarter_median"] + r["noise"]:
+                    self.fail(f"trend: {key} grows: median {r['first_quarter_median']:g} -> "
+                              f"{r['last_quarter_median']:g} (slope {r['slope_per_10min']:+.2f} per 10 min)")
+        if self.leftover_threads:
+            self.fail(f"threads still alive after stop: {self.leftover_threads}")
+        total_s = time.monotonic() - T_SCRIPT
+        record = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                        "torch": __import__("torch").__version__,
+                        "memory_gb": round(psutil.virtual_memory().total / 2 ** 30, 1)},
+            "config": self.config if hasattr(self, "config") else None,
+            "verdict": "fail" if self.failures else "pass", "failures": self.failures,
+            "durations_s": {"soak": round(self.soak_s, 1), "stop": round(self.stop_s, 1), "total": round(total_s, 1)},
+            "trend": trend, "worker_kill": kill, "actions": self.actions,
+            "final": final, "subscriber": {"received": delivered, "max_latency_ms": round(self.sub.max_latency_ms, 1),
+                                           "errors": self.sub.errors, "events": self.sub.events},
+            "publisher": vars(eng.publisher.stats) if eng and eng.publisher else None,
+            "stop_error": self.stop_error, "threads_after_stop": self.leftover_threads,
+            "samples": self.samples}
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=1, default=str))
+        self.print_table(record, final)
+        print(f"\nwrote {out}; total runtime {total_s:.0f} s (soak {self.soak_s:.0f} s, stop {self.stop_s:.1f} s)")
+        if self.failures:
+            print("FAIL:\n  " + "\n  ".join(self.failures))
+            return 1
+        print("PASS")
+        return 0
+
+    def print_table(self, record: dict, final: dict) -> None:
+        print("\nstream      ingested  published  received  in_flight  dropped / failed")
+        for sid, s in final.items():
+            dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "-"
+            failed = ", ".join(f"{k} {v}" for k, v in sorted(s["failed"].items())) or "-"
+            print(f"{sid:<10} {s['ingested']:9d} {s['published']:10d} {self.sub.results.get(sid, 0):9d} "
+                  f"{s['in_flight']:10d}  {dropped} / {failed}")
+        if record["trend"]:
+            print("\nresource     first-q median  last-q median  slope/10min  min..max")
+            for key, r in record["trend"].items():
+                print(f"{key:<12} {r['first_quarter_median']:14.1f} {r['last_quarter_median']:14.1f} "
+                      f"{r['slope_per_10min']:+12.2f}  {r['min']:g}..{r['max']:g}")
+        k = record["worker_kill"]
+        print(f"\nworker kill: armed t={k['armed_at'] and round(k['armed_at'])} s, fired t="
+              f"{k['fired_at'] and round(k['fired_at'], 1)} s, rebuilds {k['rebuilds']}, "
+              f"published after {k.get('published_after', '-')}")
+        rt = self.config["rtsp"] if hasattr(self, "config") else {}
+        restarts = sum(1 for x in self.actions if x["action"] == "rtsp_restart")
+        print(f"rtsp: {'used, ' + str(restarts) + ' restart(s), cam2 reconnects ' + str(self.samples[-1].get('cam2_reconnects')) if rt.get('used') and self.samples else 'skipped: ' + str(rt.get('skipped_because'))}")
+        last = self.samples[-1] if self.samples else {}
+        print(f"bad0 decode errors: {last.get('bad0_decode_errors')}; subscriber max latency "
+              f"{self.sub.max_latency_ms:.0f} ms; publisher {record['publisher']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=30.0, help="soak duration (default 30)")
+    ap.add_argument("--sample-s", type=float, default=10.0, help="seconds between samples (default 10)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
+    ap.add_argument("--no-rtsp", action="store_true", help="cam2 synthetic even if the RTSP server is installed")
+    ap.add_argument("--fps", type=int, default=15)
+    ap.add_argument("--latency-ms", type=float, default=200.0, help="budget.latency_ms")
+    ap.add_argument("--disconnect-every-s", type=float, default=60.0)
+    ap.add_argument("--reconnect-after-s", type=float, default=5.0)
+    ap.add_argument("--rtsp-restart-s", type=float, default=180.0, help="RTSP server restarts: first at this - 30 s")
+    ap.add_argument("--sub-delay-ms", type=float, default=20.0, help="slow subscriber: sleep per message")
+    ap.add_argument("--sub-hwm", type=int, default=50, help="slow subscriber: RCVHWM")
+    ap.add_argument("--sub-rcvbuf", type=int, default=16384, help="slow subscriber: SO_RCVBUF bytes")
+    ap.add_argument("--corrupt-fraction", type=float, default=0.02)
+    ap.add_argument("--rss-mb-per-10min", type=float, default=5.0)
+    ap.add_argument("--rss-noise-mb", type=float, default=2.0,
+                    help="RSS fails only if the last-quarter median also exceeds the first-quarter one by this")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    return Soak(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
