@@ -251,6 +251,11 @@ class Soak:
         self.proc = psutil.Process()
         self.samples: list[dict] = []
         self.failures: list[str] = []
+        self.server = None
+        self.sub = None
+        self.soak_s = self.stop_s = 0.0
+        self.stop_error = None
+        self.leftover_threads: list[str] = []
         self.actions: list[dict] = []
         self.eng: Optional[Engine] = None
         self.t0 = 0.0
@@ -311,6 +316,7 @@ class Soak:
 
     # -- faults ---------------------------------------------------------------------------------
     def arm_worker_kill(self) -> None:
+        """The next batch on worker 0 raises, once; the pool must rebuild that worker."""
         pool = self.eng.pools["vit"]
         w = pool.workers[0]
         soak = self
@@ -323,7 +329,6 @@ class Soak:
         w.infer = boom
         self.kill_at = self.elapsed()
         self.action("worker_kill_armed", worker=0, rebuilds_before=pool.rebuilds)
-
 
     def action(self, kind: str, **info) -> None:
         rec = {"t": round(self.elapsed(), 2), "action": kind, **info}
@@ -370,8 +375,8 @@ class Soak:
 
         duration = a.minutes * 60.0
         self.sub = SlowSubscriber(endpoint, a.sub_delay_ms / 1e3, hwm=a.sub_hwm, rcvbuf=a.sub_rcvbuf)
-        self.eng = eng = Engine(cfg)
         try:
+            self.eng = eng = Engine(cfg)
             eng.start()
             self.t0 = time.monotonic()
             print(f"soak: {a.minutes:g} min, 4 streams ({', '.join(s['id'] for s in streams)}), sample every "
@@ -436,13 +441,19 @@ class Soak:
         elif kind == "worker_kill":
             self.arm_worker_kill()
 
+    def published_now(self) -> int:
+        acct = self.eng.pools["vit"].acct
+        return sum(acct.snapshot(sid).published for sid in acct.streams())
+
     def shutdown(self) -> None:
         t = time.monotonic()
-        self.stop_error = None
         if self.eng is not None:
-            self.sub.slow.clear()  # let the subscriber catch up so nothing is left in ZeroMQ's queues
+            # Let the subscriber catch up first: the publisher's socket closes with a 500 ms linger, and
+            # what a slow subscriber has not taken by then is lost after being counted published.
+            self.sub.slow.clear()
             deadline = time.monotonic() + 5
-            while time.monotonic() < deadline and time.monotonic() - self.sub.last_msg < 0.5:
+            while ("vit" in self.eng.pools and time.monotonic() < deadline
+                   and self.sub.received < self.published_now() - 10):
                 time.sleep(0.05)
             try:
                 self.eng.stop()
@@ -452,7 +463,8 @@ class Soak:
                 self.fail(f"eng.stop() raised {self.stop_error}")
         if self.server is not None:
             self.server.stop()
-        self.sub.drain_and_close()
+        if self.sub is not None:
+            self.sub.drain_and_close()
         self.stop_s = time.monotonic() - t
         self.leftover_threads = sorted(th.name for th in threading.enumerate() if th is not threading.main_thread())
 
@@ -567,6 +579,10 @@ class Soak:
               f"{self.sub.max_latency_ms:.0f} ms; publisher {record['publisher']}")
 
 
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="soak duration (default 30)")
@@ -588,7 +604,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly (eng.stop, server killed) on SIGTERM too
     return Soak(args).run()
 
 

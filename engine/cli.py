@@ -62,7 +62,7 @@ def cmd_subscribe(args: argparse.Namespace) -> int:
     from .client import Subscriber
 
     n = 0
-    with Subscriber(args.endpoint, topics=args.topic or [""]) as sub:
+    with Subscriber(args.endpoint, topics=args.topic or [""], curve=_curve_arg(args)) as sub:
         try:
             while args.count is None or n < args.count:
                 msg = sub.recv(timeout=args.timeout)
@@ -93,12 +93,30 @@ def cmd_control(args: argparse.Namespace) -> int:
         key, _, value = item.partition("=")
         req[key] = yaml.safe_load(value)
     try:
-        reply = request(args.endpoint, req, timeout=args.timeout)
+        reply = request(args.endpoint, req, timeout=args.timeout, curve=_curve_arg(args))
     except TimeoutError as err:
         print(f"vidar control: {err}", file=sys.stderr)
         return 1
     print(json.dumps(reply, indent=2))
     return 0 if reply.get("ok") else 1
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .security import create_keys
+    files = create_keys(args.directory)
+    for f in files:
+        print(f)
+    print(f"Put client public keys (*.key, never *.key_secret) in the directory named by "
+          f"security.authorized_clients; the engine uses {args.directory}/server.key_secret.")
+    return 0
+
+
+def _curve_arg(args: argparse.Namespace):
+    if args.curve_client_key or args.curve_server_key:
+        if not (args.curve_client_key and args.curve_server_key):
+            raise SystemExit("vidar: --curve-client-key and --curve-server-key go together")
+        return (args.curve_client_key, args.curve_server_key)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
     c.add_argument("--timeout", type=float, default=10.0)
     c.set_defaults(func=cmd_control)
+    for parser in (s, c):
+        parser.add_argument("--curve-client-key", help="CURVE: this client's secret certificate (client.key_secret)")
+        parser.add_argument("--curve-server-key", help="CURVE: the engine's public certificate (server.key)")
+    k = sub.add_parser("keys", help="create CURVE certificates (server and client) in a directory")
+    k.add_argument("directory")
+    k.set_defaults(func=cmd_keys)
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
     try:

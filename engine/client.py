@@ -24,9 +24,13 @@ from .schema import unpack
 
 class Subscriber:
     def __init__(self, endpoint: str = "tcp://127.0.0.1:5556", topics: Iterable[str] = ("",), *,
-                 ctx: Optional[zmq.Context] = None, hwm: int = 100_000):
+                 ctx: Optional[zmq.Context] = None, hwm: int = 100_000, curve: Optional[tuple[str, str]] = None):
+        """curve: (client secret certificate, server public certificate) when the engine uses CURVE."""
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.SUB)
+        if curve is not None:
+            from .security import client_socket
+            client_socket(self._sock, *curve)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)

@@ -171,6 +171,22 @@ class FaultsConfig(_Strict):
     """Watchdog: a batch running longer is declared hung, its frames fail and its worker is replaced."""
 
 
+class SecurityConfig(_Strict):
+    curve: bool = False
+    """Encrypt and authenticate the publisher and the control socket with ZeroMQ CURVE."""
+    server_key: Optional[str] = None
+    """The server's secret certificate (server.key_secret from `vidar keys DIR`)."""
+    authorized_clients: Optional[str] = None
+    """Directory of allowed clients' public certificates (*.key); others receive nothing."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> "SecurityConfig":
+        if self.curve and not (self.server_key and self.authorized_clients):
+            raise ValueError("security.curve: true needs security.server_key and security.authorized_clients "
+                             "(create them with `vidar keys DIR`)")
+        return self
+
+
 class MetricsConfig(_Strict):
     enabled: bool = True
     """Serve Prometheus metrics."""
@@ -206,6 +222,8 @@ class EngineConfig(_Strict):
     """Prometheus endpoint."""
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     """Worker failure handling."""
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
+    """CURVE encryption and client allow-list for the ZeroMQ sockets."""
     status: StatusConfig = Field(default_factory=StatusConfig)
     """Console status line."""
     shutdown_timeout_s: float = Field(5.0, gt=0)

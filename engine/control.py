@@ -96,8 +96,11 @@ async def serve(engine, endpoint: str, max_message_bytes: int, stop) -> None:
     import zmq
     import zmq.asyncio
 
-    ctx = zmq.asyncio.Context.instance()
+    # Shadow the engine's context, so the CURVE authenticator (a per-context ZAP handler) covers it.
+    ctx = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying)
     sock = ctx.socket(zmq.REP)
+    if engine.curve is not None:
+        engine.curve.server_socket(sock)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # larger requests are cut off by ZeroMQ itself
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
@@ -119,12 +122,16 @@ async def serve(engine, endpoint: str, max_message_bytes: int, stop) -> None:
         sock.close(0)
 
 
-def request(endpoint: str, req: dict, timeout: float = 10.0) -> dict:
-    """Client side: send one request, wait for its reply (raises TimeoutError)."""
+def request(endpoint: str, req: dict, timeout: float = 10.0, curve: tuple[str, str] | None = None) -> dict:
+    """Client side: send one request, wait for its reply (raises TimeoutError).
+    curve: (client secret certificate, server public certificate) when the engine uses CURVE."""
     import zmq
 
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        from .security import client_socket
+        client_socket(sock, *curve)
     sock.connect(endpoint)
     try:
         sock.send(msgpack.packb(req, use_bin_type=True))

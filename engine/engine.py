@@ -58,6 +58,7 @@ class Engine:
         self._lock = threading.Lock()
         self.dead_reason: Optional[str] = None
         self.decoder = None  # SAM 2's shared decoder stage, when that pool is configured
+        self.curve = None    # CURVE authenticator, when security.curve is on
 
     # -- start ------------------------------------------------------------------------------
     def _pool_specs(self) -> list[dict]:
@@ -99,7 +100,11 @@ class Engine:
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters)
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
-        self.publisher = Publisher(cfg.publish, ctx=self._ctx,
+        if cfg.security.curve:
+            from .security import Curve
+            self.curve = Curve(self._ctx or zmq.Context.instance(), cfg.security.server_key,
+                               cfg.security.authorized_clients)
+        self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
         for spec in self._pool_specs():
             pool = Pool(spec["name"], spec["workers"], max_batch=spec["max_batch"],
@@ -276,6 +281,8 @@ class Engine:
                 worker.close()
         if self.metrics:
             self.metrics.close()
+        if self.curve is not None:
+            self.curve.stop()
         self.state = "stopped"
 
     def any_failed(self) -> bool:

@@ -60,7 +60,7 @@ class PublisherStats:
 
 class Publisher:
     def __init__(self, cfg: PublishConfig, *, ctx: Optional[zmq.Context] = None,
-                 on_publish_latency: Callable[[float], None] = lambda s: None):
+                 on_publish_latency: Callable[[float], None] = lambda s: None, curve=None):
         self.cfg = cfg
         self._ctx = ctx or zmq.Context.instance()
         self._q: queue.Queue = queue.Queue(maxsize=cfg.queue_size)
@@ -70,6 +70,8 @@ class Publisher:
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # see every subscription, to count subscribers
         self._sock.setsockopt(zmq.LINGER, 500)
+        if curve is not None:
+            curve.server_socket(self._sock)
         try:
             self._sock.bind(cfg.endpoint)
         except zmq.ZMQError as err:

@@ -1,32 +1,23 @@
-"""In-process TCP proxy for network fault injection in tests (loopback only).
+"""In-process TCP proxy for network fault injection in tests (loopback only, standard library only).
 
-Why: vidar's RTSP ingest must survive cameras that misbehave on the wire: the
-server dies (connection refused), hangs (TCP stays up, nothing arrives), resets
-(RST), trickles (bandwidth collapse) or ends the stream cleanly (FIN).  Tests
-put a FaultProxy between the client (PyAV/FFmpeg) and tests/rtsp_server.py and
-flip its mode while frames flow:
+Why: vidar's RTSP ingest must survive cameras that misbehave on the wire: the server dies
+(connection refused), hangs (TCP stays up, nothing arrives), resets (RST), trickles (bandwidth
+collapse) or ends the session cleanly (FIN). Tests put a FaultProxy between PyAV and
+tests/rtsp_server.py and flip its mode while frames flow:
 
     with FaultProxy("127.0.0.1", server_port) as p:
-        url = f"rtsp://127.0.0.1:{p.port}/test"
-        ...; p.set_mode("blackhole"); ...; p.set_mode("pass")
+        url = f"rtsp://127.0.0.1:{p.port}/test"; ...; p.set_mode("blackhole"); ...
 
-Modes:  "pass"      forward both ways.
-        "blackhole" keep connections open and accept new ones, but read and
-                    discard everything, both ways (new connections do not reach
-                    the server until forwarding resumes).
-        "reset"     close every connection with RST (SO_LINGER 0); new ones are
-                    accepted and reset at once.
-        "slow"      forward at most rate_bytes_s bytes/s per direction per
-                    connection.
-        "cut"       close the existing connections once with FIN, then "pass".
-close_listener()/reopen_listener() stop/resume listening on the same port, so a
-client sees "connection refused" in between.  If the target refuses, the
-client connection is reset.
+Modes: "pass" forwards both ways. "blackhole" keeps connections open and accepts new ones but
+reads and discards everything both ways (a new connection reaches the server only once forwarding
+resumes). "reset" closes every connection, live or new, with RST (SO_LINGER 0). "slow" forwards
+at most rate_bytes_s bytes/s per direction per connection. "cut" closes the live connections once
+with FIN, then acts as "pass". close_listener()/reopen_listener(): connection refused, then back,
+on the same port. A target that refuses gets the client connection reset.
 
-One daemon thread runs a select loop (20 ms tick) over non-blocking sockets;
-all socket work happens on it.  set_mode() and the listener calls hand it a
-command and wait until it has run (one tick), and close() joins it (< 0.1 s).
-Standard library only.
+One daemon thread runs a select loop (20 ms tick) over non-blocking sockets and does all socket
+work; set_mode() and the listener calls queue a command and wait for it (one tick), so changes
+reach live connections at once; close() joins the thread in well under 1 s.
 """
 from __future__ import annotations
 
@@ -36,6 +27,7 @@ import socket
 import struct
 import threading
 import time
+from contextlib import suppress
 
 MODES = ("pass", "blackhole", "reset", "slow", "cut")
 _TICK, _BUF = 0.02, 1 << 16
@@ -43,10 +35,10 @@ _R, _W = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
 def _close(sock, rst=False):
-    """Close with RST (SO_LINGER 0), or drain-then-FIN (unread data would make Linux send RST)."""
+    """RST (SO_LINGER 0), or drain then FIN (unread data at close() would make Linux send RST)."""
     if sock is None:
         return
-    try:
+    with suppress(OSError):  # BlockingIOError ends the drain
         if rst:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         else:
@@ -54,22 +46,17 @@ def _close(sock, rst=False):
             for _ in range(64):
                 if not sock.recv(_BUF):
                     break
-    except OSError:
-        pass
-    if not rst:
-        try:
+    with suppress(OSError):
+        if not rst:
             sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
     sock.close()
 
 
 class _Conn:
-    """Index 0 = client side, 1 = upstream side; buf[k] waits to be written to s[k], eof[k]: s[k] sent FIN."""
+    """Side 0 = client, 1 = upstream: buf[k] waits to be sent to s[k]; eof[k]: s[k] sent FIN."""
 
     def __init__(self, client):
-        self.s = [client, None]
-        self.connecting = False
+        self.s, self.connecting = [client, None], False
         self.buf = [bytearray(), bytearray()]
         self.eof, self.shut, self.tokens = [False, False], [False, False], [0.0, 0.0]
 
@@ -77,29 +64,15 @@ class _Conn:
 class FaultProxy:
     def __init__(self, target_host: str, target_port: int):
         self.target = (target_host, target_port)
-        self.rate_bytes_s = 50_000.0
-        self.connections = 0
-        self._mode = "pass"
+        self.rate_bytes_s, self.connections, self._mode = 50_000.0, 0, "pass"
         self._conns: list[_Conn] = []
         self._cmds: list = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = None
+        self._lock, self._stop, self._thread = threading.Lock(), threading.Event(), None
         self._lsock = self._listen(0)
         self.port: int = self._lsock.getsockname()[1]
 
-    # ---- public API -------------------------------------------------------------------------
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @mode.setter
-    def mode(self, value: str):
-        self.set_mode(value)
-
-    @property
-    def active(self) -> int:
-        return len(self._conns)
+    mode = property(lambda self: self._mode, lambda self, m: self.set_mode(m))
+    active = property(lambda self: len(self._conns), doc="connections open now")
 
     def start(self) -> "FaultProxy":
         if self._thread is None:
@@ -118,9 +91,8 @@ class FaultProxy:
 
         def apply():
             self.rate_bytes_s, self._mode = rate, mode
-            if mode in ("cut", "reset"):
-                for conn in list(self._conns):
-                    self._drop(conn, rst=mode == "reset")
+            for conn in list(self._conns) if mode in ("cut", "reset") else ():
+                self._drop(conn, rst=mode == "reset")
         self._call(apply)
 
     def close_listener(self):
@@ -131,8 +103,7 @@ class FaultProxy:
 
     def reopen_listener(self):
         def apply():
-            if self._lsock is None:
-                self._lsock = self._listen(self.port)
+            self._lsock = self._lsock or self._listen(self.port)
         self._call(apply)
 
     def close(self):
@@ -151,7 +122,6 @@ class FaultProxy:
     def __exit__(self, *exc):
         self.close()
 
-    # ---- internals (run on the proxy thread) ------------------------------------------------
     @staticmethod
     def _listen(port):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -162,6 +132,7 @@ class FaultProxy:
         return s
 
     def _call(self, fn):
+        """Run fn on the proxy thread (or here, if it is not running) and wait for it."""
         t = self._thread
         if t is None or not t.is_alive() or t is threading.current_thread():
             return fn()
@@ -187,33 +158,28 @@ class FaultProxy:
             _close(s, rst)
 
     def _interest(self, conn):
-        fwd, slow = self._mode != "blackhole", self._mode == "slow"
-        if conn.connecting:  # only wait for the connect to finish
+        if conn.connecting:  # only wait for the upstream connect to finish
             yield conn.s[1], _W
             return
+        fwd, slow = self._mode != "blackhole", self._mode == "slow"
         for k, s in enumerate(conn.s):
-            if s is None:
-                continue
             ev = _R if not conn.eof[k] and (not fwd or len(conn.buf[1 - k]) < _BUF) else 0
             if fwd and conn.buf[k] and (not slow or conn.tokens[k] >= 1):
                 ev |= _W
-            if ev:
+            if s is not None and ev:
                 yield s, ev
 
     def _loop(self):
         last = time.monotonic()
         while not self._stop.is_set():
             self._run_cmds()
-            sel = selectors.DefaultSelector()
-            try:
+            with selectors.DefaultSelector() as sel:
                 if self._lsock is not None:
                     sel.register(self._lsock, _R)
                 for conn in self._conns:
                     for s, ev in self._interest(conn):
                         sel.register(s, ev)
                 ready = {key.fileobj: ev for key, ev in sel.select(_TICK)}
-            finally:
-                sel.close()
             now = time.monotonic()
             dt, last = now - last, now
             if self._lsock is not None and self._lsock in ready:
@@ -225,7 +191,7 @@ class FaultProxy:
         for _ in range(64):
             try:
                 c, _ = self._lsock.accept()
-            except OSError:  # BlockingIOError: backlog empty
+            except OSError:  # BlockingIOError: nothing left in the backlog
                 return
             self.connections += 1
             if self._mode == "reset":
@@ -239,7 +205,7 @@ class FaultProxy:
         fwd = mode != "blackhole"
         if mode == "reset":
             return self._drop(conn, rst=True)
-        if s[1] is None and fwd:  # upstream connect (deferred while blackholed)
+        if s[1] is None and fwd:  # connect upstream (deferred while blackholed)
             s[1] = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s[1].setblocking(False)
             if s[1].connect_ex(self.target) not in (0, errno.EINPROGRESS):
@@ -254,34 +220,27 @@ class FaultProxy:
         if mode == "slow":
             cap = max(self.rate_bytes_s * 2.5 * _TICK, 1.0)
             conn.tokens = [min(t + self.rate_bytes_s * dt, cap) for t in conn.tokens]
-        for k in (0, 1):
-            if s[k] is None:
-                continue
+        for k in (0, 1):  # read (blackhole: read and discard)
             try:
-                if not conn.eof[k] and (not fwd or len(conn.buf[1 - k]) < _BUF):
+                if s[k] is not None and not conn.eof[k] and (not fwd or len(conn.buf[1 - k]) < _BUF):
                     data = s[k].recv(_BUF)
-                    if not data:
-                        conn.eof[k] = True
-                    elif fwd:
-                        conn.buf[1 - k] += data
+                    conn.eof[k] = not data
+                    conn.buf[1 - k] += data if fwd else b""
             except BlockingIOError:
                 pass
             except OSError:
-                return self._drop(conn, rst=True)  # peer reset: pass the reset on
+                return self._drop(conn, rst=True)  # a peer reset: pass the reset on
         if not fwd:
-            if conn.eof[0]:  # client hung up on a blackholed connection
-                self._drop(conn)
-            return
-        for k in (0, 1):
+            return self._drop(conn) if conn.eof[0] else None  # the client hung up
+        for k in (0, 1):  # write, then pass a half-close on
             n = len(conn.buf[k]) if mode != "slow" else min(len(conn.buf[k]), int(conn.tokens[k]))
             try:
                 if n:
                     sent = s[k].send(conn.buf[k][:n])
                     del conn.buf[k][:sent]
-                    if mode == "slow":
-                        conn.tokens[k] -= sent
+                    conn.tokens[k] -= sent if mode == "slow" else 0
                 if conn.eof[1 - k] and not conn.buf[k] and not conn.shut[k]:
-                    s[k].shutdown(socket.SHUT_WR)  # pass the half-close on
+                    s[k].shutdown(socket.SHUT_WR)
                     conn.shut[k] = True
             except BlockingIOError:
                 pass

@@ -1,0 +1,82 @@
+"""G8: CURVE with an allow-list. An allow-listed client receives; an unknown key and a plaintext
+client receive nothing; keys are never logged. Default binds are loopback."""
+
+import logging
+import shutil
+import time
+
+import pytest
+
+from engine.client import Subscriber
+from engine.config import EngineConfig, build_config
+from engine.control import request
+from engine.engine import Engine
+from engine.errors import ConfigError
+from engine.security import create_keys
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config, free_port
+from tests.test_control import ControlServer
+
+
+@pytest.fixture
+def keys(tmp_path):
+    create_keys(str(tmp_path / "k"))
+    create_keys(str(tmp_path / "intruder"))
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(tmp_path / "k" / "client.key", allowed / "client.key")
+    return tmp_path
+
+
+def test_curve_allow_list(keys, endpoint, caplog):
+    k = keys / "k"
+    cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
+                        budget={"latency_ms": 500},
+                        security={"curve": True, "server_key": str(k / "server.key_secret"),
+                                  "authorized_clients": str(keys / "allowed")})
+    with caplog.at_level(logging.DEBUG):
+        eng = Engine(cfg, workers={"vit": NullWorker()})
+        eng.start()
+        ctl = f"tcp://127.0.0.1:{free_port()}"
+        server = ControlServer(eng, ctl)
+        try:
+            good = Subscriber(endpoint, ["vit."], curve=(str(k / "client.key_secret"), str(k / "server.key")))
+            bad = Subscriber(endpoint, ["vit."], curve=(str(keys / "intruder" / "client.key_secret"),
+                                                         str(k / "server.key")))
+            plain = Subscriber(endpoint, ["vit."])
+            assert good.recv(5)["stream"] == "cam1"
+            assert bad.recv(1.5) is None and plain.recv(0.5) is None
+            assert request(ctl, {"op": "list"}, curve=(str(k / "client.key_secret"), str(k / "server.key")))["ok"]
+            with pytest.raises(TimeoutError):
+                request(ctl, {"op": "list"}, timeout=1.0)
+            for s in (good, bad, plain):
+                s.close()
+        finally:
+            server.close()
+            eng.stop()
+    secrets = [line.split('"')[1] for f in k.glob("*.key_secret") for line in f.read_text().splitlines()
+               if "secret-key" in line or "public-key" in line]
+    assert secrets and not any(sec in caplog.text for sec in secrets)
+
+
+@pytest.mark.parametrize("security, message", [
+    ({"curve": True}, "needs security.server_key and security.authorized_clients"),
+])
+def test_curve_config_errors(security, message):
+    with pytest.raises(ConfigError, match=message):
+        build_config({"streams": [{"id": "a", "url": "x.mp4"}], "security": security}, cuda_available=True)
+
+
+def test_missing_key_file_names_the_key(tmp_path, endpoint):
+    cfg = engine_config([{"id": "a", "url": "synthetic://shapes"}], endpoint,
+                        security={"curve": True, "server_key": str(tmp_path / "nope.key_secret"),
+                                  "authorized_clients": str(tmp_path)})
+    with pytest.raises(ConfigError, match=r"security.server_key: '.*nope.key_secret' not found; create keys"):
+        Engine(cfg, workers={"vit": NullWorker()}).start()
+
+
+def test_default_binds_are_loopback():
+    cfg = EngineConfig.model_validate({"streams": [{"id": "a", "url": "x.mp4"}]})
+    for endpoint in (cfg.publish.endpoint, cfg.control.endpoint):
+        assert endpoint.startswith("tcp://127.0.0.1:")
+    assert cfg.metrics.host == "127.0.0.1"
