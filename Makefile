@@ -2,6 +2,7 @@
 #   make run    the demo (built-in synthetic stream -> classification pool -> ZeroMQ)
 #   make test   the whole test suite (installs the RTSP test server's Debian packages if missing)
 #   make bench  benchmarks (not part of make test); results in benchmarks/RESULTS.md
+#   make soak   SOAK_MINUTES (default 30) of 4 streams under faults; fails if RSS/fds/threads trend up
 
 PYTHON ?= python3
 VENV   := .venv
@@ -9,7 +10,7 @@ PY     := $(VENV)/bin/python
 # The torch build that installs from local disk on our machines; override on others.
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: run test bench clean
+.PHONY: run test bench soak clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +33,9 @@ test: $(VENV)/.test
 bench: $(VENV)/.test
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_sam2.py
+
+soak: $(VENV)/.test
+	$(PY) benchmarks/soak.py --minutes $${SOAK_MINUTES:-30}
 
 clean:
 	rm -rf $(VENV) build *.egg-info

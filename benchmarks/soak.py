@@ -32,11 +32,13 @@ usage: .venv/bin/python benchmarks/soak.py [--minutes 30] [--sample-s 10] [--out
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
 import platform
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -283,7 +285,8 @@ class Soak:
                "threads_os": threads_os, "threads_py": threading.active_count(),
                "live_streams": sorted(eng.live_streams()), "published": sum(s["published"] for s in streams.values()),
                "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
-               "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds, "streams": streams}
+               "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds,
+               "py_objects": len(gc.get_objects()), "streams": streams}
         bad = eng.streams.get("bad0")
         if bad is not None and bad.runner is not None:
             rec["bad0_decode_errors"] = getattr(bad.runner.source, "decode_errors", None)
@@ -337,14 +340,27 @@ class Soak:
 
     # -- the run ----------------------------------------------------------------------------------
     def run(self) -> int:
+        """Set up, soak, and always clean up (engine stopped, RTSP server killed, subscriber closed)."""
+        try:
+            self._soak()
+        except KeyboardInterrupt:
+            self.fail("interrupted")
+        except Exception as err:
+            log.exception("soak crashed")
+            self.fail(f"soak crashed: {type(err).__name__}: {err}")
+        finally:
+            self.soak_s = self.elapsed() if self.t0 else 0.0
+            self.shutdown()
+        return self.report()
+
+    def _soak(self) -> None:
         a = self.args
-        work = Path(tempfile.mkdtemp(prefix="vidar-soak-"))
+        self.work = work = Path(tempfile.mkdtemp(prefix="vidar-soak-"))
         clip = write_clip(work / "clip.mp4", 90, (320, 240), fps=a.fps, seed=3)
         bad = work / "corrupt.mp4"
         corruption = corrupt_clip(clip, bad, a.corrupt_fraction, a.seed)
 
         rtsp_ok, rtsp_why = (False, "disabled by --no-rtsp") if a.no_rtsp else rtsp_available()
-        self.server = None
         if rtsp_ok:
             try:
                 self.server = RtspServer(free_port(), work, a.fps, "320x240")
@@ -375,54 +391,50 @@ class Soak:
 
         duration = a.minutes * 60.0
         self.sub = SlowSubscriber(endpoint, a.sub_delay_ms / 1e3, hwm=a.sub_hwm, rcvbuf=a.sub_rcvbuf)
-        try:
-            self.eng = eng = Engine(cfg)
-            eng.start()
-            self.t0 = time.monotonic()
-            print(f"soak: {a.minutes:g} min, 4 streams ({', '.join(s['id'] for s in streams)}), sample every "
-                  f"{a.sample_s:g} s; setup took {self.t0 - T_SCRIPT:.1f} s", flush=True)
-            # the schedule: (time, kind, argument); disconnects round robin over the synthetic streams
-            plan: list[tuple[float, str, object]] = []
-            k = 1
-            while k * a.disconnect_every_s + a.reconnect_after_s < duration - 1:
-                sid = synthetic_ids[(k - 1) % len(synthetic_ids)]
-                plan.append((k * a.disconnect_every_s, "remove", sid))
-                plan.append((k * a.disconnect_every_s + a.reconnect_after_s, "add", sid))
-                k += 1
-            if rtsp_ok:
-                t = a.rtsp_restart_s - 30
-                while 0 < t < duration - 10:
-                    plan.append((t, "rtsp_restart", None))
-                    t += a.rtsp_restart_s
-            plan.append((duration / 2, "worker_kill", None))
-            plan.sort(key=lambda p: p[0])
-            by_id = {s.id: s for s in cfg.streams}
-            next_sample = 0.0
-            while True:
-                now = self.elapsed()
-                if now >= next_sample - 1e-3:  # a sample first, then the actions due at the same time
-                    self.sample()
-                    next_sample += a.sample_s
-                    if next_sample > duration + 1e-6:
-                        break
-                    continue
-                if plan and now >= plan[0][0]:
-                    _, kind, arg = plan.pop(0)
-                    self.do(kind, arg, by_id)
-                    continue
-                if self.kill_fired.is_set() and not any(x["action"] == "worker_kill_fired" for x in self.actions):
-                    self.action("worker_kill_fired", at=round(self.kill_fired_t, 2))
-                due = min([next_sample] + [p[0] for p in plan[:1]])
-                time.sleep(max(0.0, min(0.25, due - self.elapsed())))
-        except KeyboardInterrupt:
-            self.fail("interrupted")
-        except Exception as err:
-            log.exception("soak crashed")
-            self.fail(f"soak crashed: {type(err).__name__}: {err}")
-        finally:
-            self.soak_s = self.elapsed() if self.t0 else 0.0
-            self.shutdown()
-        return self.report()
+        # The engine's publisher socket comes from this context, so its options apply to it: a small
+        # kernel send buffer makes the slow subscriber reach the HWM within seconds instead of after
+        # megabytes of backlog have piled up in the kernel (--pub-sndbuf 0: the OS default).
+        self.pub_ctx = zmq.Context()
+        if a.pub_sndbuf:
+            self.pub_ctx.setsockopt(zmq.SNDBUF, a.pub_sndbuf)
+        self.eng = eng = Engine(cfg, ctx=self.pub_ctx)
+        eng.start()
+        self.t0 = time.monotonic()
+        print(f"soak: {a.minutes:g} min, 4 streams ({', '.join(s['id'] for s in streams)}), sample every "
+              f"{a.sample_s:g} s; setup took {self.t0 - T_SCRIPT:.1f} s", flush=True)
+        # the schedule: (time, kind, argument); disconnects round robin over the synthetic streams
+        plan: list[tuple[float, str, object]] = []
+        k = 1
+        while k * a.disconnect_every_s + a.reconnect_after_s < duration - 1:
+            sid = synthetic_ids[(k - 1) % len(synthetic_ids)]
+            plan.append((k * a.disconnect_every_s, "remove", sid))
+            plan.append((k * a.disconnect_every_s + a.reconnect_after_s, "add", sid))
+            k += 1
+        if rtsp_ok:
+            t = a.rtsp_restart_s - 30
+            while 0 < t < duration - 10:
+                plan.append((t, "rtsp_restart", None))
+                t += a.rtsp_restart_s
+        plan.append((duration / 2, "worker_kill", None))
+        plan.sort(key=lambda p: p[0])
+        by_id = {s.id: s for s in cfg.streams}
+        next_sample = 0.0
+        while True:
+            now = self.elapsed()
+            if now >= next_sample - 1e-3:  # a sample first, then the actions due at the same time
+                self.sample()
+                next_sample += a.sample_s
+                if next_sample > duration + 1e-6:
+                    break
+                continue
+            if plan and now >= plan[0][0]:
+                _, kind, arg = plan.pop(0)
+                self.do(kind, arg, by_id)
+                continue
+            if self.kill_fired.is_set() and not any(x["action"] == "worker_kill_fired" for x in self.actions):
+                self.action("worker_kill_fired", at=round(self.kill_fired_t, 2))
+            due = min([next_sample] + [p[0] for p in plan[:1]])
+            time.sleep(max(0.0, min(0.25, due - self.elapsed())))
 
     def do(self, kind: str, arg, by_id: dict) -> None:
         eng = self.eng
@@ -465,6 +477,14 @@ class Soak:
             self.server.stop()
         if self.sub is not None:
             self.sub.drain_and_close()
+        if getattr(self, "pub_ctx", None) is not None:  # every socket should be closed by now
+            t_term = threading.Thread(target=self.pub_ctx.term, name="soak-ctx-term", daemon=True)
+            t_term.start()
+            t_term.join(5)
+            if t_term.is_alive():
+                self.fail("the engine's ZeroMQ context did not terminate within 5 s: a socket was left open")
+        if getattr(self, "work", None) is not None:
+            shutil.rmtree(self.work, ignore_errors=True)
         self.stop_s = time.monotonic() - t
         self.leftover_threads = sorted(th.name for th in threading.enumerate() if th is not threading.main_thread())
 
@@ -479,7 +499,7 @@ class Soak:
             if s["in_flight"] != 0:
                 self.fail(f"final: stream {sid}: {s['in_flight']} frames still in flight after stop")
         published = {sid: s["published"] for sid, s in final.items()}
-        delivered = dict(sorted(self.sub.results.items()))
+        delivered = dict(sorted(self.sub.results.items())) if self.sub else {}
         if published and delivered != {k: v for k, v in published.items() if v}:
             self.fail(f"final: subscriber received {delivered} but the engine counted {published} published")
         # the worker kill: fired, the worker rebuilt, results kept flowing
@@ -539,8 +559,9 @@ class Soak:
             "verdict": "fail" if self.failures else "pass", "failures": self.failures,
             "durations_s": {"soak": round(self.soak_s, 1), "stop": round(self.stop_s, 1), "total": round(total_s, 1)},
             "trend": trend, "worker_kill": kill, "actions": self.actions,
-            "final": final, "subscriber": {"received": delivered, "max_latency_ms": round(self.sub.max_latency_ms, 1),
-                                           "errors": self.sub.errors, "events": self.sub.events},
+            "final": final,
+            "subscriber": {"received": delivered, "max_latency_ms": round(self.sub.max_latency_ms, 1),
+                           "errors": self.sub.errors, "events": self.sub.events} if self.sub else None,
             "publisher": vars(eng.publisher.stats) if eng and eng.publisher else None,
             "stop_error": self.stop_error, "threads_after_stop": self.leftover_threads,
             "samples": self.samples}
@@ -560,7 +581,7 @@ class Soak:
         for sid, s in final.items():
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "-"
             failed = ", ".join(f"{k} {v}" for k, v in sorted(s["failed"].items())) or "-"
-            print(f"{sid:<10} {s['ingested']:9d} {s['published']:10d} {self.sub.results.get(sid, 0):9d} "
+            print(f"{sid:<10} {s['ingested']:9d} {s['published']:10d} {record['subscriber']['received'].get(sid, 0):9d} "
                   f"{s['in_flight']:10d}  {dropped} / {failed}")
         if record["trend"]:
             print("\nresource     first-q median  last-q median  slope/10min  min..max")
@@ -576,7 +597,7 @@ class Soak:
         print(f"rtsp: {'used, ' + str(restarts) + ' restart(s), cam2 reconnects ' + str(self.samples[-1].get('cam2_reconnects')) if rt.get('used') and self.samples else 'skipped: ' + str(rt.get('skipped_because'))}")
         last = self.samples[-1] if self.samples else {}
         print(f"bad0 decode errors: {last.get('bad0_decode_errors')}; subscriber max latency "
-              f"{self.sub.max_latency_ms:.0f} ms; publisher {record['publisher']}")
+              f"{(record['subscriber'] or {}).get('max_latency_ms')} ms; publisher {record['publisher']}")
 
 
 def _interrupt(*_) -> None:
@@ -597,6 +618,7 @@ def main() -> int:
     ap.add_argument("--sub-delay-ms", type=float, default=20.0, help="slow subscriber: sleep per message")
     ap.add_argument("--sub-hwm", type=int, default=50, help="slow subscriber: RCVHWM")
     ap.add_argument("--sub-rcvbuf", type=int, default=16384, help="slow subscriber: SO_RCVBUF bytes")
+    ap.add_argument("--pub-sndbuf", type=int, default=16384, help="engine publisher: SO_SNDBUF bytes (0: OS default)")
     ap.add_argument("--corrupt-fraction", type=float, default=0.02)
     ap.add_argument("--rss-mb-per-10min", type=float, default=5.0)
     ap.add_argument("--rss-noise-mb", type=float, default=2.0,

@@ -203,7 +203,7 @@ class Pool:
                     self._metrics.observe(self.name, "decode", fv.meta.decode_s)
                     self._metrics.observe(self.name, "queue_wait", max(0.0, now - fv.meta.t_decoded))
                 fv.meta.extra["t_taken"] = now
-                self.scheduler.add(fv, deadline=fv.meta.deadline, now=now)
+                self.scheduler.add(fv, deadline=fv.meta.deadline, now=now, key=fv.meta.stream)
 
     def _dispatch(self, runner: WorkerThread, batch: list[FrameView], now: float) -> None:
         if self._metrics:
@@ -291,6 +291,7 @@ class Pool:
                 ring = self._rings.pop(stream, None)
             for fv in self.scheduler.remove(lambda fv: fv.meta.stream == stream):
                 self._drop(fv, DropReason.STREAM_REMOVED)
+            self.scheduler.forget(stream)
             if ring is not None:
                 ring.close()
                 for fv in ring.take_ready():

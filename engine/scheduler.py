@@ -4,9 +4,12 @@ The pool calls `schedule(now)` whenever its worker is free and feeds measured ru
 back with `update`. Rules, in order:
 1. A frame that cannot finish by its deadline even in a batch of one is dropped now,
    before any compute is spent (reason `deadline`).
-2. Frames are ordered by deadline (offline frames have none and go last, in arrival order).
+2. Frames are ordered fairly: each stream's frames by deadline (offline frames have none, so
+   arrival order), and the streams in rounds, least recently served first. Plain EDF across
+   streams phase-locks under overload: the same streams' frames always age out just before
+   their turn, and those streams starve (measured: 2 of 4 streams got 4 % of their frames).
 3. The batch size is the largest b <= max_batch whose predicted run time still meets the
-   earliest deadline in the batch.
+   earliest deadline among the first b frames of that order.
    Exception, the probe: when every waiting frame would be dropped and nothing has run for
    `probe_interval_s`, the newest frame runs anyway, alone. Without it, one slow spell that
    pushes the estimate past the budget would drop every frame for ever (nothing new is ever
@@ -32,6 +35,7 @@ class _Entry:
     order: int
     enqueued: float = field(compare=False)
     item: Any = field(compare=False)
+    key: Any = field(compare=False, default=None)  # the stream: fairness is across keys
 
 
 @dataclass
@@ -56,9 +60,25 @@ class EdfScheduler:
         self._order = itertools.count()
         self._last_dispatch: Optional[float] = None
         self.probes = 0
+        self._served: dict = {}  # key -> dispatch tick when last served (round-robin across streams)
+        self._tick = itertools.count()
 
-    def add(self, item: Any, *, deadline: float, now: float) -> None:
-        self._pending.append(_Entry(deadline, next(self._order), now, item))
+    def add(self, item: Any, *, deadline: float, now: float, key: Any = None) -> None:
+        self._pending.append(_Entry(deadline, next(self._order), now, item, key))
+
+    def forget(self, key: Any) -> None:
+        """A stream went away: drop its fairness state (keeps the table bounded)."""
+        self._served.pop(key, None)
+
+    def _fair_order(self, entries: list[_Entry]) -> list[_Entry]:
+        groups: dict[Any, list[_Entry]] = {}
+        for e in sorted(entries):
+            groups.setdefault(e.key, []).append(e)
+        keys = sorted(groups, key=lambda k: (self._served.get(k, -1), groups[k][0].deadline, groups[k][0].order))
+        out = []
+        for r in range(max(len(g) for g in groups.values())):
+            out.extend(groups[k][r] for k in keys if r < len(groups[k]))
+        return out
 
     def pending(self) -> int:
         return len(self._pending)
@@ -100,21 +120,24 @@ class EdfScheduler:
         if not keep:
             self._pending = []
             return plan
-        keep.sort()
+        keep = self._fair_order(keep)
         self._pending = keep
-        first = keep[0]
         n = min(self.max_batch, len(keep))
-        b = 1
-        while b < n and now + self.latency.estimate(b + 1) <= first.deadline:
+        b, tightest = 1, keep[0].deadline
+        while b < n and now + self.latency.estimate(b + 1) <= min(tightest, keep[b].deadline):
+            tightest = min(tightest, keep[b].deadline)
             b += 1
+        earliest = min(e.deadline for e in keep)
         oldest = min(e.enqueued for e in keep)
         full = b == self.max_batch
         capped = b < n  # more frames are waiting but a bigger batch would miss a deadline
         grow = min(b + 1, self.max_batch)
-        t_latest = first.deadline - self.latency.estimate(grow)  # last moment to wait for one more
+        t_latest = earliest - self.latency.estimate(grow)  # last moment to wait for one more
         t_wait = oldest + self.max_wait_s
         if full or capped or now >= t_wait or (math.isfinite(t_latest) and now >= t_latest):
             plan.batch = [e.item for e in keep[:b]]
+            for e in keep[:b]:
+                self._served[e.key] = next(self._tick)
             self._pending = keep[b:]
             self._last_dispatch = now
             if self._pending:

@@ -13,6 +13,7 @@ import math
 import random
 import threading
 import time
+from collections import deque
 from typing import Callable, Optional
 
 from engine.errors import SourceError
@@ -41,6 +42,7 @@ class SourceRunner:
         self.failed = False
         self.seq = 0
         self.reconnects = 0
+        self.attempts: deque = deque(maxlen=64)  # monotonic times of connection attempts (bounded)
         self.total_frames: Optional[int] = None
 
     def start(self) -> None:
@@ -105,6 +107,7 @@ class SourceRunner:
         delay = self.reconnect_initial_s
         failures, last_log = 0, 0.0
         while not self._stop.is_set():
+            self.attempts.append(time.monotonic())
             try:
                 self.source.open()
             except SourceError as err:

@@ -1,6 +1,7 @@
 """The control socket: every request gets a reply; streams and objects come and go at run time."""
 
 import asyncio
+import os
 import threading
 import time
 
@@ -86,8 +87,11 @@ def test_malformed_and_oversized_messages(running):
 
 def test_add_and_remove_streams_at_run_time(running, endpoint):
     eng, ctl = running
-    threads_before = {t.name for t in threading.enumerate()}
     col = Collector(endpoint, ["cam2"])
+    request(ctl, {"op": "list"})  # the test's own sockets and threads exist before the baseline is taken
+    time.sleep(0.3)
+    threads_before = {t.name for t in threading.enumerate()}
+    fds_before = len(os.listdir("/proc/self/fd"))
     reply = request(ctl, {"op": "add_stream", "stream": {"id": "cam2", "url": "synthetic://shapes?size=64x64&fps=30"}})
     assert reply == {"ok": True, "stream": "cam2"}
     t_end = time.monotonic() + 10
@@ -99,10 +103,14 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
     t0 = time.monotonic()
     assert request(ctl, {"op": "remove_stream", "stream": "cam2"}) == {"ok": True}
     assert time.monotonic() - t0 < 1.0
-    msgs = col.wait(5)
+    col._t.join(5)  # returns at the eos; the subscriber stays open for the fd count below
+    msgs = col.msgs
     assert msgs[-1]["kind"] == "eos" and msgs[-1]["reason"] == "removed"
     assert "source-cam2" not in {t.name for t in threading.enumerate()}
     assert {t.name for t in threading.enumerate()} - threads_before == set()
+    time.sleep(0.5)  # ZeroMQ closes request sockets on its I/O thread
+    assert len(os.listdir("/proc/self/fd")) <= fds_before  # the stream's sockets and files are released
+    col.sub.close()
     s2 = eng.pools["vit"].acct.snapshot("cam2")
     assert s2.in_flight == 0 and s2.balanced()
     time.sleep(0.3)

@@ -142,3 +142,32 @@ def test_probe_recovers_from_a_pessimistic_estimate():
         s.update(1, 0.05)  # it was fast after all
     add(s, 1.2, Item("f4", 2.2))
     assert names(s.schedule(1.2).batch) == ["f4"]
+
+
+@dataclass
+class SItem:
+    stream: str
+    n: int
+    deadline: float
+
+
+def test_fair_across_streams_under_overload():
+    """4 streams at 30 fps against capacity for 2 frames per 33 ms: plain EDF phase-locks and starves
+    some streams; the fair order serves every stream alike."""
+    s = make(max_batch=2, max_wait=0.0, times={1: 0.017, 2: 0.033})
+    served = {k: 0 for k in "abcd"}
+    busy_until, t, n = 0.0, 0.0, 0
+    while t < 10.0:
+        for i, k in enumerate("abcd"):  # frames arrive phase-shifted by 8 ms
+            if abs((t - i * 0.008) % (1 / 30)) < 0.0005:
+                s.add(SItem(k, n, t + 0.2), deadline=t + 0.2, now=t, key=k)
+                n += 1
+        if t >= busy_until:
+            plan = s.schedule(t)
+            for it in plan.batch:
+                served[it.stream] += 1
+            if plan.batch:
+                busy_until = t + 0.033
+        t = round(t + 0.001, 6)
+    counts = list(served.values())
+    assert min(counts) > 0 and max(counts) <= 1.2 * min(counts), served

@@ -1,0 +1,100 @@
+"""G3/G1: overload is declared per stage and isolated. Twice the capacity for 60 s: no late result,
+drops only with reasons, fair across streams, memory flat. Slow and absent subscribers change
+nothing upstream; their losses are counted."""
+
+import threading
+import time
+
+import psutil
+import zmq
+
+from engine.client import Subscriber
+from engine.engine import Engine
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config
+
+
+def test_twice_the_capacity_for_60_s(endpoint):
+    budget_ms = 200
+    streams = [{"id": f"s{i}", "url": "synthetic://shapes?size=160x120&fps=30"} for i in range(4)]
+    cfg = engine_config(streams, endpoint, budget={"latency_ms": budget_ms}, models={"vit": {"max_batch": 4}},
+                        publish={"hwm": 100_000})
+    worker = NullWorker(per_frame_s=1 / 60)  # 60 frames/s of capacity against 120 offered
+    sub = Subscriber(endpoint, ["vit."])
+    late, got = [], {f"s{i}": 0 for i in range(4)}
+
+    def read():
+        while True:
+            m = sub.recv(3)
+            if m is None:
+                return
+            got[m["stream"]] += 1
+            if m["latency_ms"] > budget_ms + 1.0:
+                late.append(m["latency_ms"])
+    reader = threading.Thread(target=read)
+    reader.start()
+    eng = Engine(cfg, workers={"vit": worker})
+    eng.start()
+    rss = []
+    for _ in range(6):
+        time.sleep(10)
+        rss.append(psutil.Process().memory_info().rss / 2**20)
+        for i in range(4):
+            assert eng.pools["vit"].acct.snapshot(f"s{i}").balanced()
+    eng.stop()
+    reader.join(10)
+    sub.close()
+    snaps = [eng.pools["vit"].acct.snapshot(f"s{i}") for i in range(4)]
+    assert late == []
+    for s in snaps:
+        assert s.in_flight == 0 and set(s.dropped) <= {"deadline", "ring_full", "late", "shutdown"}
+        assert sum(s.dropped.values()) > 0.3 * s.ingested  # it really was overloaded
+    pub = [s.published for s in snaps]
+    assert max(pub) <= 1.2 * min(pub), pub  # fairness within 20 %
+    assert sum(pub) >= 0.8 * 60 * 60  # near capacity all along
+    assert rss[-1] - rss[1] < 20, rss  # flat after warm-up
+
+
+def test_slow_and_absent_subscribers_change_nothing_upstream(endpoint):
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=160x120&fps=30"}], endpoint,
+                        budget={"latency_ms": 500}, publish={"hwm": 20})
+    class Padded(NullWorker):  # 20 KB results, so ZeroMQ's queues (not the kernel's buffers) fill
+        def infer(self, inputs):
+            return [{"pad": b"x" * 20_000} for _ in super().infer(inputs)]
+    worker = Padded(per_frame_s=0.002)
+    eng = Engine(cfg, workers={"vit": worker})
+    eng.start()
+
+    def rates(seconds):
+        a = eng.pools["vit"].acct.snapshot("s")
+        b0 = worker.batches
+        time.sleep(seconds)
+        b = eng.pools["vit"].acct.snapshot("s")
+        return (b.ingested - a.ingested) / seconds, (worker.batches - b0) / seconds
+
+    time.sleep(1)
+    absent_in, absent_batches = rates(5)  # nobody subscribed
+    slow = Subscriber(endpoint, ["vit."], hwm=5)
+    slow._sock.setsockopt(zmq.RCVBUF, 4096)
+    stop = threading.Event()
+
+    def crawl():
+        while not stop.is_set():
+            slow.recv(1)
+            time.sleep(0.2)  # 5 messages/s against 30
+    t = threading.Thread(target=crawl)
+    t.start()
+    time.sleep(2)
+    rss0 = psutil.Process().memory_info().rss
+    slow_in, slow_batches = rates(8)
+    rss1 = psutil.Process().memory_info().rss
+    stop.set()
+    t.join(5)
+    eng.stop()
+    slow.close()
+    s = eng.pools["vit"].acct.snapshot("s")
+    assert abs(slow_in - absent_in) <= 0.1 * absent_in  # decode rate unchanged
+    assert abs(slow_batches - absent_batches) <= 0.2 * absent_batches + 1  # inference rate unchanged
+    assert s.dropped.get("publish_hwm", 0) > 0  # the slow reader's losses are counted, not silent
+    assert s.balanced() and s.in_flight == 0
+    assert (rss1 - rss0) / 2**20 < 10

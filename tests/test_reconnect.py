@@ -1,0 +1,143 @@
+"""G1/G2: dead, hung and refused RTSP streams come back on their own, without disturbing the others.
+A real GStreamer RTSP server on 127.0.0.1, and tests/tcp_proxy.py in front of it for network faults."""
+
+import logging
+import os
+import re
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from engine.engine import Engine
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config, free_port
+from tests.tcp_proxy import FaultProxy
+from tests.test_rtsp import SERVER, SYSTEM_PY, _server_available
+
+pytestmark = pytest.mark.rtsp
+
+
+def start_server(port):
+    p = subprocess.Popen([SYSTEM_PY, str(SERVER), "--port", str(port), "--pattern", "--fps", "15",
+                          "--size", "160x120"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline().strip()
+    assert line.startswith("READY"), line
+    return p
+
+
+@pytest.fixture
+def server():
+    if not _server_available():
+        if os.environ.get("VIDAR_REQUIRE_RTSP") == "1":
+            pytest.fail("GStreamer RTSP server missing: run scripts/install-rtsp-deps.sh (make test does)")
+        pytest.skip("GStreamer RTSP server not installed")
+    port = free_port()
+    procs = [start_server(port)]
+    yield port, procs
+    for p in procs:
+        p.terminate()
+        p.wait(5)
+
+
+def engine_with(url_or_urls, endpoint, **source):
+    streams = [{"id": "cam", "url": url_or_urls, "mode": "live"},
+               {"id": "other", "url": "synthetic://shapes?size=64x64&fps=30", "mode": "live"}]
+    cfg = engine_config(streams, endpoint, budget={"latency_ms": 1000},
+                        source={"open_timeout_s": 2, "stall_timeout_s": 2, **source})
+    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng.start()
+    return eng
+
+
+def published(eng, sid):
+    return eng.pools["vit"].acct.snapshot(sid).published
+
+
+def wait(pred, timeout):
+    t_end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < t_end:
+        time.sleep(0.05)
+    return pred()
+
+
+def test_server_killed_and_restarted(server, endpoint):
+    port, procs = server
+    eng = engine_with(f"rtsp://user:hunter2@127.0.0.1:{port}/test", endpoint)
+    runner = eng.streams["cam"].runner
+    try:
+        assert wait(lambda: published(eng, "cam") > 10, 15)
+        procs[0].kill()
+        procs[0].wait(5)
+        t_kill = time.monotonic()
+        assert wait(lambda: runner.state == "reconnecting", 2 + 1)  # stall_timeout_s + 1 s
+        detected = time.monotonic() - t_kill
+        other_before = published(eng, "other")
+        time.sleep(max(0.0, 10 - (time.monotonic() - t_kill)))
+        procs.append(start_server(port))
+        t_back = time.monotonic()
+        seen = published(eng, "cam")
+        assert wait(lambda: published(eng, "cam") > seen + 5, 16 + 2)  # the backoff step then (~16 s) + 2 s
+        resumed = time.monotonic() - t_back
+        assert runner.reconnects == 1
+        assert published(eng, "other") - other_before > 25 * 10  # ~30 fps all along
+        gaps = [b - a for a, b in zip(runner.attempts, list(runner.attempts)[1:])]
+        assert gaps and max(gaps) <= 30 * 1.2 + 2
+    finally:
+        eng.stop()
+    print(f"server killed: detected after {detected:.2f} s, resumed {resumed:.2f} s after the restart")
+    for text in [str(eng.describe()), str(eng.stream_counters())]:
+        assert "hunter2" not in text
+
+
+def test_blackhole_mid_stream_and_at_connect(server, endpoint):
+    port, _ = server
+    with FaultProxy("127.0.0.1", port).start() as proxy:
+        eng = engine_with(f"rtsp://127.0.0.1:{proxy.port}/test", endpoint, reconnect_initial_s=0.5,
+                          reconnect_max_s=2)
+        runner = eng.streams["cam"].runner
+        try:
+            assert wait(lambda: published(eng, "cam") > 10, 15)
+            threads = threading.active_count()
+            proxy.set_mode("blackhole")  # the server hangs: no byte either way, no error
+            t0 = time.monotonic()
+            assert wait(lambda: runner.state == "reconnecting", 2 * 2 + 2)
+            stalled_after = time.monotonic() - t0
+            n0 = len(runner.attempts)
+            time.sleep(8)  # connects into the black hole time out (open_timeout_s), paced by the backoff
+            attempts = list(runner.attempts)[n0:]
+            assert 2 <= len(attempts) <= 5
+            proxy.set_mode("pass")
+            seen = published(eng, "cam")
+            assert wait(lambda: published(eng, "cam") > seen + 5, 2 + 2 + 2 + 3)
+            assert threading.active_count() <= threads + 1  # no reader thread left stuck behind
+        finally:
+            eng.stop()
+    assert 1.5 <= stalled_after <= 5.5
+
+
+def test_port_closed_for_60_s_backs_off_to_the_cap_quietly(endpoint, caplog):
+    port = free_port()  # nothing listens: connection refused, for a whole minute
+    cfg = engine_config([{"id": "cam", "url": f"rtsp://admin:s3cret@127.0.0.1:{port}/x", "mode": "live"}], endpoint,
+                        source={"reconnect_max_s": 30})
+    eng = Engine(cfg, workers={"vit": NullWorker()})
+    proc = psutil.Process()
+    with caplog.at_level(logging.INFO):
+        eng.start()
+        runner = eng.streams["cam"].runner
+        t0 = time.monotonic()
+        cpu0 = sum(proc.cpu_times()[:2])
+        time.sleep(60)
+        cpu = sum(proc.cpu_times()[:2]) - cpu0
+        eng.stop()
+    gaps = [b - a for a, b in zip(runner.attempts, list(runner.attempts)[1:])]
+    assert gaps[0] < 1.0  # the first retry within 1 s
+    assert max(gaps) >= 30 * 0.8 and max(gaps) <= 30 * 1.2 + 0.5  # the cap, with jitter
+    assert all(b >= a * 1.3 or b >= 30 * 0.8 for a, b in zip(gaps, gaps[1:]))  # exponential until the cap
+    assert len(runner.attempts) <= 9
+    assert cpu < 0.1 * 60  # idle while waiting
+    lines = [r for r in caplog.records if "cam" in r.getMessage() and "connect" in r.getMessage()]
+    assert len(lines) <= 3  # aggregated: not a line per attempt
+    assert "s3cret" not in caplog.text
