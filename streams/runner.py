@@ -43,6 +43,7 @@ class SourceRunner:
         self.seq = 0
         self.reconnects = 0
         self.attempts: deque = deque(maxlen=64)  # monotonic times of connection attempts (bounded)
+        self.backoff: deque = deque(maxlen=64)   # the pauses chosen after failed attempts (bounded)
         self.total_frames: Optional[int] = None
 
     def start(self) -> None:
@@ -119,7 +120,9 @@ class SourceRunner:
                 self.state = "reconnecting"
                 if failures == 1:
                     self._emit(self.stream, "reconnecting", err.reason)
-                self._stop.wait(delay * random.uniform(0.8, 1.2))
+                pause = delay * random.uniform(0.8, 1.2)  # jitter: cameras behind one switch don't retry in step
+                self.backoff.append(pause)
+                self._stop.wait(pause)
                 delay = min(delay * 2, self.reconnect_max_s)
                 continue
             first = self.reconnects == 0 and self.state == "starting"
