@@ -8,22 +8,29 @@ Runs the engine in-process with the real tiny classifier (timm test_vit, random 
               stream when the server is not installed (the JSON says so)
   bad0        a looping H.264 file with ~2 % of its payload bytes flipped: corrupt bursts every loop
 and meanwhile:
-  * a slow subscriber (20 ms per message, RCVHWM 50, small kernel buffer) reads every result,
+  * a slow subscriber (20 ms per message, RCVHWM 50, 16 KiB SO_RCVBUF) reads every result; the
+    engine's publisher socket gets a 16 KiB SO_SNDBUF (through the zmq Context passed to Engine)
+    so the HWM, not megabytes of kernel buffer, absorbs the backlog: publish_hwm drops show up,
   * every --disconnect-every-s one synthetic stream is removed and re-added (same id)
     --reconnect-after-s later, round robin,
   * once, half-way, one batch of worker 0 raises (the pool must rebuild the worker and go on).
 
-Every --sample-s it samples RSS, open fds and threads (OS and Python) and every stream's
-accounting, and checks at every sample: ingested == published + dropped + failed + in_flight,
-0 <= in_flight < 200, no counter ever decreases, engine not dead. At the end (after stop):
-in_flight == 0, and the subscriber received exactly what was counted published.
-Trends use the samples after the first 20 % (warm-up): least-squares slopes, and it fails if
-RSS grows more than --rss-mb-per-10min (5) with a last-quarter median above the first-quarter
-median by more than --rss-noise-mb, or if fds / threads' last-quarter median exceeds the
-first-quarter median by more than 2.
+Every --sample-s it samples RSS (raw, and again right after glibc's malloc_trim(0), so memory
+the allocator merely caches is not taken for a leak), open fds, threads (OS and Python), the
+rings' slot memory, Python's object count, and every stream's accounting. At every sample:
+Snapshot.balanced() (ingested == published + dropped + failed + in_flight; note in_flight is
+derived from the others, so the independent checks are the next ones), 0 <= in_flight < 200,
+no counter ever decreases, engine not dead. At the end (after eng.stop()): in_flight == 0 for
+every stream, the subscriber received exactly what the engine counted published (per stream),
+the injected failure ran, exactly one worker was rebuilt and every stream published after it,
+no thread of ours or the engine's is left, and the engine's ZeroMQ context terminates.
+Trends use the samples after the first 20 % (--warmup-frac): least-squares slopes, and it fails
+if RSS (trimmed, when glibc is there) grows more than --rss-mb-per-10min (5) and its last-quarter
+median is above the first-quarter median by more than --rss-noise-mb (2), or if fds / OS threads /
+Python threads' last-quarter median exceeds the first-quarter median by more than 2.
 
 Writes benchmarks/results/soak.json (samples, final counts, slopes, checks, verdict, config,
-date, machine), prints a table, exits 1 with the reasons on failure.
+date, machine), prints a table, exits 1 with the reasons on failure (0 on pass).
 
 usage: .venv/bin/python benchmarks/soak.py [--minutes 30] [--sample-s 10] [--out PATH] [--no-rtsp]
        (make soak; SOAK_MINUTES=5 make soak)
@@ -286,6 +293,15 @@ class Soak:
     def elapsed(self) -> float:
         return time.monotonic() - self.t0
 
+    def ring_bytes(self) -> int:
+        """Frame-slot memory the live streams' rings hold now."""
+        total = 0
+        for st in list(self.eng.streams.values()):
+            for ring in getattr(st.ring, "rings", [st.ring]):
+                if ring is not None and not st.removed and hasattr(ring, "allocated_bytes"):
+                    total += ring.allocated_bytes()
+        return total
+
     def sample(self) -> dict:
         eng = self.eng
         pool = eng.pools["vit"]
@@ -304,7 +320,8 @@ class Soak:
                "live_streams": sorted(eng.live_streams()), "published": sum(s["published"] for s in streams.values()),
                "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
                "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds,
-               "py_objects": len(gc.get_objects()), "streams": streams}
+               "py_objects": len(gc.get_objects()), "ring_mb": round(self.ring_bytes() / 2 ** 20, 2),
+               "streams": streams}
         bad = eng.streams.get("bad0")
         if bad is not None and bad.runner is not None:
             rec["bad0_decode_errors"] = getattr(bad.runner.source, "decode_errors", None)
@@ -330,7 +347,7 @@ class Soak:
             self.fail(f"{tag}: {dead}")
         self.samples.append(rec)
         inf = max((s["in_flight"] for s in streams.values()), default=0)
-        print(f"  t={t:6.0f}s  rss {rec['rss_mb']:7.1f} MB ({trimmed} trimmed)  fds {rec['fds']:3d}  threads {threads_os:3d} os "
+        print(f"  t={t:6.0f}s  rss {rec['rss_mb']:6.1f} MB ({trimmed} trimmed, rings {rec['ring_mb']})  fds {rec['fds']:3d}  threads {threads_os:3d} os "
               f"{rec['threads_py']:2d} py  published {rec['published']:7d}  received {rec['received']:7d}  "
               f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}", flush=True)
         return rec
@@ -447,7 +464,11 @@ class Soak:
                 continue
             if plan and now >= plan[0][0]:
                 _, kind, arg = plan.pop(0)
-                self.do(kind, arg, by_id)
+                try:
+                    self.do(kind, arg, by_id)
+                except Exception as err:  # an action that fails is a finding; keep soaking
+                    log.exception("%s %s failed", kind, arg or "")
+                    self.fail(f"t={self.elapsed():.0f}s: {kind} {arg or ''}: {type(err).__name__}: {err}")
                 continue
             if self.kill_fired.is_set() and not any(x["action"] == "worker_kill_fired" for x in self.actions):
                 self.action("worker_kill_fired", at=round(self.kill_fired_t, 2))
@@ -478,8 +499,8 @@ class Soak:
     def shutdown(self) -> None:
         t = time.monotonic()
         if self.eng is not None:
-            # Let the subscriber catch up first: the publisher's socket closes with a 500 ms linger, and
-            # what a slow subscriber has not taken by then is lost after being counted published.
+            # Let the subscriber catch up first, so the final delivered == published check does not
+            # depend on what the publisher socket's 500 ms linger gets through at close.
             self.sub.slow.clear()
             deadline = time.monotonic() + 5
             while ("vit" in self.eng.pools and time.monotonic() < deadline
@@ -545,13 +566,14 @@ class Soak:
             self.fail("worker kill: never armed")
         # trends on the samples after warm-up
         trend = {}
-        post = self.samples[int(len(self.samples) * 0.2):]
+        post = self.samples[int(len(self.samples) * a.warmup_frac):]
         if len(post) < 4:
             self.fail(f"trend: only {len(post)} samples after warm-up; need 4 (run longer or lower --sample-s)")
         else:
             ts = [s["t"] for s in post]
             rss_key = "rss_trimmed_mb" if post[0].get("rss_trimmed_mb") is not None else "rss_mb"
-            for key, noise in (("rss_mb", a.rss_noise_mb), ("rss_trimmed_mb", a.rss_noise_mb), ("fds", FD_NOISE),
+            for key, noise in (("rss_mb", a.rss_noise_mb), ("rss_trimmed_mb", a.rss_noise_mb),
+                               ("ring_mb", None), ("fds", FD_NOISE),
                                ("threads_os", THREAD_NOISE), ("threads_py", THREAD_NOISE), ("py_objects", None)):
                 ys = [s[key] for s in post]
                 if any(y is None for y in ys):
@@ -645,6 +667,7 @@ def main() -> int:
     ap.add_argument("--rss-mb-per-10min", type=float, default=5.0)
     ap.add_argument("--rss-noise-mb", type=float, default=2.0,
                     help="RSS fails only if the last-quarter median also exceeds the first-quarter one by this")
+    ap.add_argument("--warmup-frac", type=float, default=0.2, help="leading fraction of samples left out of trends")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

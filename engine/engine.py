@@ -259,6 +259,8 @@ class Engine:
         timeout = self.cfg.shutdown_timeout_s
         t_end = time.monotonic() + timeout
         for st in self.streams.values():
+            if not st.reason and not st.eos_queued:
+                st.reason = self.dead_reason or "shutdown"  # the eos says why, whichever thread sends it
             if st.runner:
                 st.runner.stop()
         for st in self.streams.values():
