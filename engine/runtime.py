@@ -36,7 +36,7 @@ class StatusPrinter:
         now = time.monotonic()
         out = []
         for pool in self.engine.pools.values():
-            for sid, st in self.engine.streams.items():
+            for sid, st in [(s, self.engine.streams[s]) for s in self.engine.live_streams()]:
                 s = pool.acct.snapshot(sid)
                 t0, ing0, done0 = self._last.get(sid, (now, s.ingested, s.published))
                 dt = max(now - t0, 1e-9)
