@@ -144,8 +144,8 @@ class RingConfig(_Strict):
     """Frame memory per stream; slots = memory / frame size, clamped to [min_slots, max_slots]."""
     min_slots: int = Field(4, ge=2)
     """At least this many slots (must exceed max_batch so decode and inference overlap)."""
-    max_slots: int = Field(64, ge=2)
-    """At most this many slots."""
+    max_slots: int = Field(16, ge=2)
+    """At most this many slots (a live stream needs max_batch plus a few; more only buys decode-ahead)."""
     max_frame_pixels: int = Field(8192 * 8192, gt=0)
     """Frames larger than this are rejected before any allocation."""
 

@@ -1,6 +1,7 @@
 """Per-stream frame rings: a fixed number of preallocated slots, sized from a memory budget.
 
-The decoder thread copies each decoded frame into a free slot (PyAV allocates its own
+All slots are allocated when the first frame's size is known. The decoder thread copies each
+decoded frame into a free slot (PyAV allocates its own
 output array and has no `out=`, so this is the one copy a frame gets); the worker reads the
 slot in place and releases it once its input batch is built. Slots are pinned when CUDA is
 available (pinning raises without a driver) so the upload is a DMA.
@@ -90,6 +91,8 @@ class FrameRing:
         self._state = [SlotState.FREE] * n
         self._meta = [None] * n
         self._shape, self._limit = (h, w), n
+        for i in range(n):  # preallocated up front: the ring's memory is fixed from its first frame on
+            self._slot_array(i, h, w)
 
     def _resize(self, h: int, w: int) -> None:
         """The stream's frame size changed: slots follow it one by one as they are reused, and the
