@@ -30,6 +30,7 @@ from _draw import PALETTE, label  # examples/ is on sys.path when a script here 
 
 from engine.client import Subscriber
 
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -37,11 +37,12 @@ def endpoint() -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
-def write_clip(path: Path, frames: int, size=(320, 240), fps: int = 30, *, seed: int = 0, gop: int = 15) -> Path:
-    """An H.264 mp4 of the synthetic pattern, `frames` long."""
+def write_clip(path: Path, frames: int, size=(320, 240), fps: int = 30, *, seed: int = 0, gop: int = 15,
+               fmt: str | None = None) -> Path:
+    """An H.264 clip of the synthetic pattern, `frames` long (mp4; or fmt="h264": a raw Annex-B stream)."""
     w, h = size
     src = SyntheticSource("clip", f"synthetic://shapes?size={w}x{h}&fps={fps}&seed={seed}")
-    with av.open(str(path), "w") as out:
+    with av.open(str(path), "w", format=fmt) as out:
         st = out.add_stream("libx264", rate=fps)
         st.width, st.height, st.pix_fmt = w, h, "yuv420p"
         st.options = {"g": str(gop), "bf": "0", "preset": "ultrafast"}

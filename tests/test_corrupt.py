@@ -1,33 +1,17 @@
 """G5: corrupt input is contained. Every case runs through the whole engine beside a healthy stream,
 must end (no hang), count what it lost, and never crash."""
 
-import os
 
-import av
 import numpy as np
-import pytest
 
-from engine.engine import Engine
 from engine.workers.null import NullWorker
-from streams.synthetic import SyntheticSource
 from tests.conftest import engine_config, write_clip
 from tests.test_e2e import Collector, run_engine
 
 
 def h264_raw(path, frames, size, seed=0):
     """A raw Annex-B H.264 elementary stream (concatenable: SPS/PPS travel in-band)."""
-    w, h = size
-    src = SyntheticSource("c", f"synthetic://shapes?size={w}x{h}&seed={seed}")
-    with av.open(str(path), "w", format="h264") as out:
-        st = out.add_stream("libx264", rate=30)
-        st.width, st.height, st.pix_fmt = w, h, "yuv420p"
-        st.options = {"g": "10", "bf": "0", "preset": "ultrafast"}
-        for n in range(frames):
-            for pkt in st.encode(av.VideoFrame.from_ndarray(src.render(n), format="rgb24")):
-                out.mux(pkt)
-        for pkt in st.encode():
-            out.mux(pkt)
-    return path
+    return write_clip(path, frames, size, seed=seed, gop=10, fmt="h264")
 
 
 def run_with_healthy_neighbour(tmp_path, endpoint, bad_url, **extra):
