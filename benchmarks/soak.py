@@ -347,7 +347,8 @@ class Soak:
             self.fail(f"{tag}: {dead}")
         self.samples.append(rec)
         inf = max((s["in_flight"] for s in streams.values()), default=0)
-        print(f"  t={t:6.0f}s  rss {rec['rss_mb']:6.1f} MB ({trimmed} trimmed, rings {rec['ring_mb']})  fds {rec['fds']:3d}  threads {threads_os:3d} os "
+        print(f"  t={t:6.0f}s  rss {rec['rss_mb']:6.1f} MB ({trimmed} trimmed, rings {rec['ring_mb']})  "
+              f"fds {rec['fds']:3d}  threads {threads_os:3d} os "
               f"{rec['threads_py']:2d} py  published {rec['published']:7d}  received {rec['received']:7d}  "
               f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}", flush=True)
         return rec
@@ -583,8 +584,10 @@ class Soak:
                               "last_quarter_median": q4, "min": min(ys), "max": max(ys), "noise": noise,
                               "judged": key in (rss_key, "fds", "threads_os", "threads_py")}
             r = trend[rss_key]
-            if r["slope_per_10min"] > a.rss_mb_per_10min and r["last_quarter_median"] > r["first_quarter_median"] + a.rss_noise_mb:
-                self.fail(f"trend: {rss_key} grows {r['slope_per_10min']:.1f} MB per 10 min (limit {a.rss_mb_per_10min:g}); "
+            grew = r["last_quarter_median"] > r["first_quarter_median"] + a.rss_noise_mb
+            if r["slope_per_10min"] > a.rss_mb_per_10min and grew:
+                self.fail(f"trend: {rss_key} grows {r['slope_per_10min']:.1f} MB per 10 min "
+                          f"(limit {a.rss_mb_per_10min:g}); "
                           f"median {r['first_quarter_median']:.1f} -> {r['last_quarter_median']:.1f} MB")
             for key in ("fds", "threads_os", "threads_py"):
                 r = trend[key]
@@ -625,7 +628,8 @@ class Soak:
         for sid, s in final.items():
             dropped = ", ".join(f"{k} {v}" for k, v in sorted(s["dropped"].items())) or "-"
             failed = ", ".join(f"{k} {v}" for k, v in sorted(s["failed"].items())) or "-"
-            print(f"{sid:<10} {s['ingested']:9d} {s['published']:10d} {record['subscriber']['received'].get(sid, 0):9d} "
+            got = (record["subscriber"] or {}).get("received", {}).get(sid, 0)
+            print(f"{sid:<10} {s['ingested']:9d} {s['published']:10d} {got:9d} "
                   f"{s['in_flight']:10d}  {dropped} / {failed}")
         if record["trend"]:
             print("\nresource (after warm-up)  first-q median  last-q median  slope/10min  min..max")
@@ -638,7 +642,10 @@ class Soak:
               f"published after {k.get('published_after', '-')}")
         rt = self.config["rtsp"] if hasattr(self, "config") else {}
         restarts = sum(1 for x in self.actions if x["action"] == "rtsp_restart")
-        print(f"rtsp: {'used, ' + str(restarts) + ' restart(s), cam2 reconnects ' + str(self.samples[-1].get('cam2_reconnects')) if rt.get('used') and self.samples else 'skipped: ' + str(rt.get('skipped_because'))}")
+        if rt.get("used") and self.samples:
+            print(f"rtsp: used, {restarts} restart(s), cam2 reconnects {self.samples[-1].get('cam2_reconnects')}")
+        else:
+            print(f"rtsp: skipped: {rt.get('skipped_because')}")
         last = self.samples[-1] if self.samples else {}
         print(f"bad0 decode errors: {last.get('bad0_decode_errors')}; subscriber max latency "
               f"{(record['subscriber'] or {}).get('max_latency_ms')} ms; publisher {record['publisher']}")

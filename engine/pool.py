@@ -104,6 +104,8 @@ class Pool:
     def stop(self, *, drain: bool, timeout: float) -> bool:
         """drain: finish what the rings and scheduler hold; else drop it. Returns True if every thread ended."""
         t_end = time.monotonic() + timeout
+        if self._thread.ident is None:  # never started (start-up failed): nothing runs
+            return True
         if not drain:
             self._abort.set()
         self._stop.set()

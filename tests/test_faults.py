@@ -68,3 +68,16 @@ def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):
     eos = [m for m in col.wait(10) if m["type"] == "event" and m["kind"] == "eos"]
     assert sorted(m["stream"] for m in eos) == ["s0", "s1"]
     assert all("3 failed batches within 10 s" in m["reason"] and "illegal memory access" in m["reason"] for m in eos)
+
+
+def test_failed_start_exits_3_and_releases_everything(endpoint):
+    """No subscriber within wait_subscribers_s: engine dead at start, clean stop, exit code 3."""
+    import threading
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
+                        publish={"min_subscribers": 1, "wait_subscribers_s": 0.5}, control={"enabled": False})
+    before = set(threading.enumerate())
+    eng = Engine(cfg, workers={"vit": [NullWorker()]})
+    assert run(eng) == EXIT_DEAD
+    assert eng.state == "stopped"
+    left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("source-", "pool-", "publisher"))]
+    assert left == []
