@@ -2,8 +2,6 @@
 A real GStreamer RTSP server on 127.0.0.1, and tests/tcp_proxy.py in front of it for network faults."""
 
 import logging
-import os
-import re
 import subprocess
 import threading
 import time
@@ -15,7 +13,7 @@ from engine.engine import Engine
 from engine.workers.null import NullWorker
 from tests.conftest import engine_config, free_port
 from tests.tcp_proxy import FaultProxy
-from tests.test_rtsp import SERVER, SYSTEM_PY, _server_available
+from tests.test_rtsp import SERVER, SYSTEM_PY, require_server
 
 pytestmark = pytest.mark.rtsp
 
@@ -30,10 +28,7 @@ def start_server(port):
 
 @pytest.fixture
 def server():
-    if not _server_available():
-        if os.environ.get("VIDAR_REQUIRE_RTSP") == "1":
-            pytest.fail("GStreamer RTSP server missing: run scripts/install-rtsp-deps.sh (make test does)")
-        pytest.skip("GStreamer RTSP server not installed")
+    require_server()
     port = free_port()
     procs = [start_server(port)]
     yield port, procs

@@ -29,12 +29,17 @@ def _server_available() -> bool:
 pytestmark = pytest.mark.rtsp
 
 
-@pytest.fixture
-def rtsp_server():
+def require_server() -> None:
+    """Skip without the server; fail instead under `make test` (VIDAR_REQUIRE_RTSP=1)."""
     if not _server_available():
         if os.environ.get("VIDAR_REQUIRE_RTSP") == "1":
             pytest.fail("GStreamer RTSP server missing: run scripts/install-rtsp-deps.sh (make test does)")
         pytest.skip("GStreamer RTSP server not installed (scripts/install-rtsp-deps.sh)")
+
+
+@pytest.fixture
+def rtsp_server():
+    require_server()
     procs = []
 
     def start(*args):
