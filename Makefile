@@ -35,6 +35,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/bench_sam2.py
 
 soak: $(VENV)/.test
+	bash scripts/install-rtsp-deps.sh
 	$(PY) benchmarks/soak.py --minutes $${SOAK_MINUTES:-30}
 
 clean:

@@ -17,7 +17,8 @@ and meanwhile:
 
 Every --sample-s it samples RSS (raw, and again right after glibc's malloc_trim(0), so memory
 the allocator merely caches is not taken for a leak), open fds, threads (OS and Python), the
-rings' slot memory, Python's object count, and every stream's accounting. At every sample:
+rings' slot memory, Python's object count, glibc's heap (bytes in use vs free bytes the arenas
+hold: a leak vs fragmentation), RSS by kind of mapping, and every stream's accounting. At every sample:
 Snapshot.balanced() (ingested == published + dropped + failed + in_flight; note in_flight is
 derived from the others, so the independent checks are the next ones), 0 <= in_flight < 200,
 no counter ever decreases, engine not dead. At the end (after eng.stop()): in_flight == 0 for
@@ -71,6 +72,7 @@ from engine.client import Subscriber  # noqa: E402
 from engine.config import StreamConfig, build_config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
+from engine.memory import heap_stats, malloc_trim  # noqa: E402
 from tests.conftest import write_clip  # noqa: E402
 
 log = logging.getLogger("soak")
@@ -80,19 +82,39 @@ SYSTEM_PY = "/usr/bin/python3"
 IN_FLIGHT_BOUND = 200
 
 
-def _glibc():
+def smaps_mb() -> Optional[dict]:
+    """RSS by kind of mapping (Linux): file-backed (libraries, mmapped files), the main heap,
+    other anonymous memory (glibc's thread arenas, large mallocs, Python's object arenas, stacks)."""
+    out = {"file": 0, "heap": 0, "anon": 0}
     try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        return libc
-    except (OSError, AttributeError):  # not glibc: judge the raw RSS
+        with open("/proc/self/smaps") as f:
+            kind = "anon"
+            for line in f:
+                head = line.split(None, 5)
+                if "-" in head[0] and not head[0].endswith(":"):  # a mapping's header line
+                    name = head[5].strip() if len(head) > 5 else ""
+                    kind = "heap" if name == "[heap]" else ("file" if name.startswith("/") else "anon")
+                elif head[0] == "Rss:":
+                    out[kind] += int(head[1])
+    except OSError:
         return None
+    return {k: round(v / 1024, 2) for k, v in out.items()}
 
 
-_LIBC = _glibc()
 FD_NOISE = 2
 THREAD_NOISE = 2
+
+
+def versions() -> dict:
+    """Versions of what shapes the process's memory, so runs can be compared."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version(), "libc": "-".join(platform.libc_ver())}
+    for pkg in ("torch", "timm", "numpy", "av", "pyzmq", "msgpack", "opencv-python-headless"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 def free_port() -> int:
@@ -311,8 +333,7 @@ class Soak:
             rss = self.proc.memory_info().rss
             threads_os = self.proc.num_threads()
         trimmed = None
-        if _LIBC is not None:  # what glibc keeps cached in its arenas is not a leak: give it back, then measure
-            _LIBC.malloc_trim(0)
+        if malloc_trim():  # what glibc keeps cached in its arenas is not a leak: give it back, then measure
             trimmed = round(self.proc.memory_info().rss / 2 ** 20, 2)
         rec = {"t": round(t, 2), "rss_mb": round(rss / 2 ** 20, 2), "rss_trimmed_mb": trimmed,
                "fds": len(os.listdir("/proc/self/fd")),
@@ -321,7 +342,7 @@ class Soak:
                "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
                "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds,
                "py_objects": len(gc.get_objects()), "ring_mb": round(self.ring_bytes() / 2 ** 20, 2),
-               "streams": streams}
+               "heap": heap_stats(), "smaps": smaps_mb(), "streams": streams}
         bad = eng.streams.get("bad0")
         if bad is not None and bad.runner is not None:
             rec["bad0_decode_errors"] = getattr(bad.runner.source, "decode_errors", None)
@@ -350,7 +371,11 @@ class Soak:
         print(f"  t={t:6.0f}s  rss {rec['rss_mb']:6.1f} MB ({trimmed} trimmed, rings {rec['ring_mb']})  "
               f"fds {rec['fds']:3d}  threads {threads_os:3d} os "
               f"{rec['threads_py']:2d} py  published {rec['published']:7d}  received {rec['received']:7d}  "
-              f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}", flush=True)
+              f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}"
+              + (f"  heap used {h['used_mb']} free {h['free_mb']} mmap {h['mmap_mb']} arenas {h['arenas']}"
+                 if (h := rec["heap"]) else "")
+              + (f"  rss file {m['file']} heap {m['heap']} anon {m['anon']}" if (m := rec["smaps"]) else ""),
+              flush=True)
         return rec
 
     # -- faults ---------------------------------------------------------------------------------
@@ -423,7 +448,8 @@ class Soak:
                 "faults": {"max_failures": 1000, "window_s": 60, "batch_timeout_s": 5}}
         cfg, _ = build_config(tree, cuda_available=True)
         self.config = {"engine": tree, "soak": vars(a), "rtsp": {"used": rtsp_ok, "skipped_because": rtsp_why or None},
-                       "corruption": corruption, "clip": {"frames": 90, "size": "320x240", "fps": a.fps}}
+                       "corruption": corruption, "clip": {"frames": 90, "size": "320x240", "fps": a.fps},
+                       "versions": versions()}
 
         duration = a.minutes * 60.0
         self.sub = SlowSubscriber(endpoint, a.sub_delay_ms / 1e3, hwm=a.sub_hwm, rcvbuf=a.sub_rcvbuf)
@@ -679,6 +705,12 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly (eng.stop, server killed) on SIGTERM too
+    if not args.no_rtsp:  # a soak without its RTSP restarts is not the soak: say so rather than run a lesser one
+        ok, why = rtsp_available()
+        if not ok:
+            print(f"soak: no RTSP server ({why}); run scripts/install-rtsp-deps.sh (make soak does), "
+                  "or pass --no-rtsp for a soak without RTSP restarts", file=sys.stderr)
+            return 2
     return Soak(args).run()
 
 

@@ -21,6 +21,7 @@ from streams.runner import SourceRunner
 from .config import EngineConfig, StreamConfig
 from .errors import ConfigError, EngineDeadError, SourceError
 from .fanout import RingGroup
+from .memory import limit_malloc_arenas
 from .metrics import Metrics
 from .pool import Pool
 from .publisher import Publisher
@@ -97,6 +98,9 @@ class Engine:
     def start(self) -> None:
         self.state = "starting"
         cfg = self.cfg
+        # before this engine starts threads: glibc fixes its arena limit when a ninth is needed
+        if limit_malloc_arenas(cfg.malloc_arenas):
+            log.debug("malloc arenas capped at %d", cfg.malloc_arenas)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters)
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)

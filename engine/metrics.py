@@ -6,10 +6,11 @@ from __future__ import annotations
 import logging
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .accounting import Accounting
+from .memory import heap_bytes
 
 log = logging.getLogger("vidar.metrics")
 
@@ -53,10 +54,27 @@ class _AccountingCollector:
             yield fam
 
 
+class _HeapCollector:
+    """glibc heap: bytes in use (grows with a leak) and free bytes the arenas hold (grows with
+    fragmentation); with process_resident_memory_bytes this tells the two apart in production."""
+
+    def collect(self):
+        heap = heap_bytes()
+        if heap is None:  # not glibc
+            return
+        fam = GaugeMetricFamily("vidar_malloc_bytes", "glibc malloc heap, by state", labels=["state"])
+        fam.add_metric(["in_use"], heap["in_use"])
+        fam.add_metric(["free"], heap["free"])
+        fam.add_metric(["mmapped"], heap["mmapped"])
+        yield fam
+
+
 class Metrics:
     def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict]):
         self.registry = CollectorRegistry()  # per engine: tests run several engines in one process
         self.registry.register(_AccountingCollector(accountings, stream_counters))
+        self.registry.register(_HeapCollector())
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, open fds, CPU seconds
         self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",
                                ["pool", "stage"], buckets=_BUCKETS, registry=self.registry)
         self._server = None

@@ -29,6 +29,7 @@ def tree(**patch):
     ({"source__stall_timeout_s": -1}, r"source\.stall_timeout_s: Input should be greater than 0"),
     ({"source__open_timeout_s": 0}, r"source\.open_timeout_s: Input should be greater than 0"),
     ({"shutdown_timeout_s": -2}, r"shutdown_timeout_s: Input should be greater than 0"),
+    ({"malloc_arenas": -1}, r"malloc_arenas: Input should be greater than or equal to 0"),
     ({"streams__0__loop": "sometimes"}, r"streams\.0\.loop: Input should be a valid boolean"),
     ({"streams__0__id": "cam 1"}, r"streams\.0\.id: .*must match"),
     ({"models__vit__preprocess": "pil"}, r"models\.vit\.preprocess: Input should be 'fast' or 'exact'"),
