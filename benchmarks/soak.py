@@ -33,7 +33,12 @@ Python threads' last-quarter median exceeds the first-quarter median by more tha
 Writes benchmarks/results/soak.json (samples, final counts, slopes, checks, verdict, config,
 date, machine), prints a table, exits 1 with the reasons on failure (0 on pass).
 
+It applies the engine's malloc arena cap first (--malloc-arenas, default 2 as in the config; 0 for
+glibc's default), before its own threads exist, as `vidar run` does. Without the RTSP server it
+refuses to run unless --no-rtsp is given.
+
 usage: .venv/bin/python benchmarks/soak.py [--minutes 30] [--sample-s 10] [--out PATH] [--no-rtsp]
+                                           [--malloc-arenas 2]
        (make soak; SOAK_MINUTES=5 make soak)
 """
 
@@ -72,7 +77,7 @@ from engine.client import Subscriber  # noqa: E402
 from engine.config import StreamConfig, build_config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
-from engine.memory import heap_stats, malloc_trim  # noqa: E402
+from engine.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
 from tests.conftest import write_clip  # noqa: E402
 
 log = logging.getLogger("soak")
@@ -445,7 +450,8 @@ class Soak:
                 "publish": {"endpoint": endpoint, "hwm": 100, "min_subscribers": 1, "wait_subscribers_s": 10},
                 "metrics": {"enabled": False}, "control": {"enabled": False},
                 "source": {"reconnect_initial_s": 0.5, "reconnect_max_s": 5},
-                "faults": {"max_failures": 1000, "window_s": 60, "batch_timeout_s": 5}}
+                "faults": {"max_failures": 1000, "window_s": 60, "batch_timeout_s": 5},
+                "malloc_arenas": a.malloc_arenas}
         cfg, _ = build_config(tree, cuda_available=True)
         self.config = {"engine": tree, "soak": vars(a), "rtsp": {"used": rtsp_ok, "skipped_because": rtsp_why or None},
                        "corruption": corruption, "clip": {"frames": 90, "size": "320x240", "fps": a.fps},
@@ -702,8 +708,11 @@ def main() -> int:
                     help="RSS fails only if the last-quarter median also exceeds the first-quarter one by this")
     ap.add_argument("--warmup-frac", type=float, default=0.2, help="leading fraction of samples left out of trends")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--malloc-arenas", type=int, default=2,
+                    help="the engine's malloc_arenas (0: glibc's default); applied before any thread, as `vidar run` does")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limit_malloc_arenas(args.malloc_arenas)  # first, like `vidar run`: before the soak's own threads exist
     signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly (eng.stop, server killed) on SIGTERM too
     if not args.no_rtsp:  # a soak without its RTSP restarts is not the soak: say so rather than run a lesser one
         ok, why = rtsp_available()

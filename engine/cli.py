@@ -25,6 +25,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"vidar: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    from .memory import limit_malloc_arenas
+    limit_malloc_arenas(cfg.malloc_arenas)  # before any thread of ours exists (Engine.start does it again)
     import torch
     if torch.cuda.is_available():
         print(f"vidar: GPU {torch.cuda.get_device_name(0)}", flush=True)

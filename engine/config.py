@@ -229,9 +229,9 @@ class EngineConfig(_Strict):
     shutdown_timeout_s: float = Field(5.0, gt=0)
     """On SIGINT/SIGTERM: drain in-flight work for at most this long, then abort."""
     malloc_arenas: int = Field(2, ge=0, le=1024)
-    """glibc malloc arenas (M_ARENA_MAX), set when the engine starts; 0 keeps glibc's 8 x cores.
-    Few arenas bound the heap fragmentation of threads that come and go (see engine/memory.py).
-    MALLOC_ARENA_MAX in the environment wins."""
+    """glibc malloc arenas (M_ARENA_MAX), set for the whole process when `vidar run` / the engine
+    starts; 0 keeps glibc's 8 x cores. Few arenas limit the heap fragmentation of threads that come
+    and go (see engine/memory.py). MALLOC_ARENA_MAX or GLIBC_TUNABLES in the environment win."""
     on_cpu: dict[str, Any] = Field(default_factory=dict)
     """Dotted-key overrides applied when no CUDA GPU is found (e.g. a smaller model, a larger budget)."""
 

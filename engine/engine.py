@@ -98,9 +98,8 @@ class Engine:
     def start(self) -> None:
         self.state = "starting"
         cfg = self.cfg
-        # before this engine starts threads: glibc fixes its arena limit when a ninth is needed
-        if limit_malloc_arenas(cfg.malloc_arenas):
-            log.debug("malloc arenas capped at %d", cfg.malloc_arenas)
+        # before this engine starts threads (process-wide; `vidar run` has done it already)
+        limit_malloc_arenas(cfg.malloc_arenas)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters)
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)

@@ -55,8 +55,9 @@ class _AccountingCollector:
 
 
 class _HeapCollector:
-    """glibc heap: bytes in use (grows with a leak) and free bytes the arenas hold (grows with
-    fragmentation); with process_resident_memory_bytes this tells the two apart in production."""
+    """glibc heap: in use and mmapped (grow with a leak), free inside the arenas (grows with
+    fragmentation); with process_resident_memory_bytes this tells the two apart in production.
+    A scrape takes each arena's lock for the walk: microseconds, every scrape interval."""
 
     def collect(self):
         heap = heap_bytes()

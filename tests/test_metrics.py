@@ -1,5 +1,6 @@
 """The Prometheus endpoint serves the same numbers as the accounting (and the status line)."""
 
+import sys
 import time
 import urllib.request
 
@@ -37,25 +38,28 @@ def test_metrics_endpoint_matches_accounting(endpoint):
         assert m[f'vidar_stage_seconds_count{{pool="vit",stage="{stage}"}}'] == 30
     assert m['vidar_stage_seconds_count{pool="all",stage="publish"}'] == 30
     assert "30/30 frames" in lines[0]
-    assert m["process_resident_memory_bytes"] > 10 * 2 ** 20
-    assert m["process_open_fds"] > 0
+    if sys.platform.startswith("linux"):  # prometheus_client's process collector reads /proc
+        assert m["process_resident_memory_bytes"] > 10 * 2 ** 20
+        assert m["process_open_fds"] > 0
 
 
 def test_malloc_gauges_follow_the_heap(endpoint):
-    """vidar_malloc_bytes tells a leak (in_use grows) from fragmentation (free grows)."""
+    """vidar_malloc_bytes{state=in_use} follows allocations; free and mmapped are served too."""
     from engine.memory import heap_bytes
     if heap_bytes() is None:
-        pytest.skip("not glibc")
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
     port = free_port()
     cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=3", "mode": "offline"}],
                         endpoint, metrics={"enabled": True, "port": port})
     eng = Engine(cfg, workers={"vit": NullWorker()})
     eng.start()
     try:
-        before = scrape(port)['vidar_malloc_bytes{state="in_use"}']
+        before = scrape(port)
         held = [bytearray(1000) for _ in range(20000)]  # ~20 MB in small blocks: from the arenas, not mmap
-        after = scrape(port)['vidar_malloc_bytes{state="in_use"}']
+        after = scrape(port)
         del held
     finally:
         eng.stop()
-    assert after - before > 15 * 2 ** 20, (before, after)
+    key = 'vidar_malloc_bytes{state="%s"}'
+    assert after[key % "in_use"] - before[key % "in_use"] > 15 * 2 ** 20, (before, after)
+    assert before[key % "free"] >= 0 and before[key % "mmapped"] >= 0
