@@ -426,7 +426,8 @@ class Soak:
         bad = work / "corrupt.mp4"
         corruption = corrupt_clip(clip, bad, a.corrupt_fraction, a.seed)
 
-        rtsp_ok, rtsp_why = (False, "disabled by --no-rtsp") if a.no_rtsp else rtsp_available()
+        # main() has probed the server already (and stopped if it is missing)
+        rtsp_ok, rtsp_why = (False, "disabled by --no-rtsp") if a.no_rtsp else (True, "")
         if rtsp_ok:
             try:
                 self.server = RtspServer(free_port(), work, a.fps, "320x240")
