@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.client import Subscriber  # noqa: E402
-from engine.config import VitConfig, build_config  # noqa: E402
+from engine.config import ClassifyConfig as VitConfig, build_config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.workers.classify import ClassifierWorker  # noqa: E402
 from engine.workers.null import NullWorker  # noqa: E402

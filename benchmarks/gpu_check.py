@@ -42,7 +42,7 @@ def timed(fn, reps=20):
 
 def model_latency(results):
     import timm
-    from engine.config import VitConfig
+    from engine.config import ClassifyConfig as VitConfig
     from engine.workers.classify import ClassifierWorker
     from engine.ring import FrameView
     w = ClassifierWorker(VitConfig(name="vit_large_patch16_224", weights="random", device="cuda"))

@@ -34,8 +34,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("vidar: no CUDA GPU found: applying the config's on_cpu overrides: " + ", ".join(applied), flush=True)
     else:
         print("vidar: no CUDA GPU found: running on the CPU", flush=True)
-    if cfg.models.vit:
-        v = cfg.models.vit
+    if cfg.models.classify:
+        v = cfg.models.classify
         print(f"vidar: model {v.name} (weights: {v.weights}), budget {cfg.budget.latency_ms:g} ms, "
               f"max_batch {v.max_batch}; results on {cfg.publish.endpoint}"
               + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),

@@ -1,13 +1,14 @@
 """Typed configuration: YAML -> pydantic models that reject unknown keys.
 
 Every field has a docstring; `configs/*.yaml` comment every key. Errors name the key
-path (``models.vit.max_batch``) and what is allowed, and `load_config` turns pydantic's
+path (``models.classify.max_batch``) and what is allowed, and `load_config` turns pydantic's
 errors into one `ConfigError` with one line per problem.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -16,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
+
+log = logging.getLogger("vidar.config")
 
 
 class _Strict(BaseModel):
@@ -27,13 +30,15 @@ STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 class StreamConfig(_Strict):
     id: str
-    """Stream id: letters, digits, '_' or '-'. Used in topics (`vit.<id>`) and metrics."""
+    """Stream id: letters, digits, '_' or '-'. Used in topics (`classify.<id>`, `sam2.<id>`, `event.<id>`) and metrics."""
     url: str
     """rtsp://..., a file path (any container PyAV opens), or synthetic://shapes?size=WxH&fps=N."""
     mode: Literal["live", "offline"] = "live"
     """live: paced, drop-oldest when slow, deadlines apply. offline: every frame, back-pressure."""
     loop: bool = False
     """Files only: start again at the end instead of ending the stream (demo footage)."""
+    pools: Optional[list[str]] = Field(None, min_length=1)
+    """Model pools this stream feeds, e.g. [classify] or [sam2]; default: every configured pool."""
 
     @field_validator("id")
     @classmethod
@@ -50,7 +55,7 @@ class BudgetConfig(_Strict):
     """Longest a frame waits for a batch to fill when the worker is idle (Triton-style queue delay)."""
 
 
-class VitConfig(_Strict):
+class ClassifyConfig(_Strict):
     name: str = "vit_large_patch16_224"
     """Any timm image classifier (ViTs, ConvNets, ...)."""
     weights: str = "pretrained"
@@ -77,8 +82,9 @@ class VitConfig(_Strict):
 class Sam2Config(_Strict):
     config: str = "sam2.1_hiera_t"
     """Any config shipped in the sam2 package: sam2.1_hiera_t, _s, _b+, _l (and the sam2 ones)."""
-    checkpoint: str = "random"
-    """Path to an official checkpoint ({"model": state_dict}, loaded strictly), or random (warned, marked)."""
+    checkpoint: str = "pretrained"
+    """pretrained (the official checkpoint of this config from Hugging Face, cached; needs internet once) |
+    random (warned, marked) | path to an official checkpoint ({"model": state_dict}, loaded strictly)."""
     image_size: int = Field(1024, ge=128, le=2048, multiple_of=32)
     """Encoder input size; 512 or 256 trade accuracy for speed (feature sizes follow: size / 16)."""
     encoders: int = Field(1, ge=1, le=16)
@@ -91,13 +97,32 @@ class Sam2Config(_Strict):
     """auto picks cuda when available."""
     threads: Optional[int] = Field(None, ge=1)
     """Intra-op threads per encoder instance on the CPU."""
+    max_objects: int = Field(32, ge=1, le=4096)
+    """Admission limit: tracked objects (with pending prompts) across all streams; more are refused."""
 
 
 class ModelsConfig(_Strict):
-    vit: Optional[VitConfig] = Field(default_factory=VitConfig)
-    """The classification pool. null disables it."""
+    """Only the pools named here run. Without a `models` section at all, one classify pool runs."""
+
+    classify: Optional[ClassifyConfig] = None
+    """The classification pool (any timm classifier; ViT-L/16 by default). Topic `classify.<stream>`."""
     sam2: Optional[Sam2Config] = None
-    """The SAM 2 tracking pool (off unless configured)."""
+    """The SAM 2 tracking pool. Topic `sam2.<stream>`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_vit(cls, data: Any) -> Any:
+        # Schema 1 called the classification pool `vit`; it serves any timm classifier, so it is `classify` now.
+        if isinstance(data, dict) and "vit" in data:
+            if "classify" in data:
+                raise ValueError("models.vit and models.classify are the same pool: keep models.classify only")
+            log.warning("models.vit is deprecated: rename it to models.classify (same keys)")
+            data = {("classify" if k == "vit" else k): v for k, v in data.items()}
+        return data
+
+    def configured(self) -> dict[str, BaseModel]:
+        """Pool name -> its config, for every pool that runs."""
+        return {name: cfg for name in type(self).model_fields if (cfg := getattr(self, name)) is not None}
 
 
 class ObjectConfig(_Strict):
@@ -131,8 +156,9 @@ class PublishConfig(_Strict):
     """ZeroMQ endpoint the publisher binds."""
     hwm: int = Field(1000, ge=1)
     """Per-subscriber queue bound (messages). Live: a full queue drops and counts; offline: waits."""
-    queue_size: int = Field(1024, ge=1)
-    """Bound of the queue between the data plane and the publisher thread."""
+    queue_size: int = Field(256, ge=1)
+    """Per stream: results waiting for the publisher thread. Live results over it are dropped
+    (publish_queue); an offline stream stops taking frames until its queue has room."""
     min_subscribers: int = Field(0, ge=0)
     """Wait for this many subscribers before streams start (useful for offline runs)."""
     wait_subscribers_s: float = Field(30.0, gt=0)
@@ -159,7 +185,10 @@ class SourceConfig(_Strict):
     reconnect_initial_s: float = Field(0.5, gt=0)
     """First reconnect delay after a network stream ends or fails."""
     reconnect_max_s: float = Field(30.0, gt=0)
-    """Cap of the exponential reconnect backoff."""
+    """Cap of the exponential reconnect backoff (jitter included)."""
+    backoff_reset_after_s: float = Field(10.0, gt=0)
+    """The backoff starts again from reconnect_initial_s only after a session delivered frames for this
+    long; a server that accepts and closes at once backs off like one that refuses."""
 
 
 class FaultsConfig(_Strict):
@@ -202,12 +231,14 @@ class StatusConfig(_Strict):
 
 
 class EngineConfig(_Strict):
-    streams: list[StreamConfig] = Field(min_length=1)
-    """The streams to read."""
+    streams: list[StreamConfig] = Field(default_factory=list)
+    """The streams to read (may be empty: streams can be added at run time over the control socket)."""
+    max_streams: int = Field(64, ge=1, le=4096)
+    """Admission limit: streams running at once; add_stream beyond it is refused."""
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     """Latency budget and batching delay."""
-    models: ModelsConfig = Field(default_factory=ModelsConfig)
-    """Model pools."""
+    models: ModelsConfig = Field(default_factory=lambda: ModelsConfig(classify=ClassifyConfig()))
+    """Model pools; only those named run (default, without this section: one classify pool)."""
     objects: list[ObjectConfig] = Field(default_factory=list)
     """Initial SAM 2 prompts; more can be added at run time through the control socket."""
     control: ControlConfig = Field(default_factory=ControlConfig)
@@ -241,21 +272,33 @@ class EngineConfig(_Strict):
         dupes = sorted({i for i in ids if ids.count(i) > 1})
         if dupes:
             raise ValueError(f"duplicate stream ids {dupes}: every streams[].id must be unique")
-        known = set(ids)
+        if not ids and not self.control.enabled:
+            raise ValueError("streams: no streams and control.enabled is false: nothing would ever run; "
+                             "add a stream or enable the control socket")
+        if len(ids) > self.max_streams:
+            raise ValueError(f"{len(ids)} streams exceed max_streams={self.max_streams}: raise max_streams")
+        pools = self.models.configured()
+        if not pools:
+            raise ValueError("models: configure models.classify, models.sam2 or both")
+        for i, s in enumerate(self.streams):
+            for name in s.pools or ():
+                if name not in pools:
+                    raise ValueError(f"streams.{i}.pools: pool {name!r} is not configured; configured: {sorted(pools)}")
+        streams = {s.id: s for s in self.streams}
         for i, o in enumerate(self.objects):
-            if o.stream not in known:
-                raise ValueError(f"objects.{i}.stream: unknown stream {o.stream!r}; streams: {sorted(known)}")
-        if self.objects and self.models.sam2 is None:
-            raise ValueError("objects are SAM 2 prompts: configure models.sam2 too")
-        if self.models.vit is None and self.models.sam2 is None:
-            raise ValueError("models: configure models.vit, models.sam2 or both")
+            if o.stream not in streams:
+                raise ValueError(f"objects.{i}.stream: unknown stream {o.stream!r}; streams: {sorted(streams)}")
+            if "sam2" not in (streams[o.stream].pools or pools):
+                raise ValueError(f"objects.{i}: objects are SAM 2 prompts: configure models.sam2 and let stream "
+                                 f"{o.stream!r} feed it (streams[].pools)")
         if self.ring.min_slots > self.ring.max_slots:
             raise ValueError(
                 f"ring.min_slots ({self.ring.min_slots}) > ring.max_slots ({self.ring.max_slots}): raise max_slots")
-        if self.models.vit is not None and self.ring.max_slots < self.models.vit.max_batch + 1:
-            raise ValueError(
-                f"ring.max_slots ({self.ring.max_slots}) must exceed models.vit.max_batch "
-                f"({self.models.vit.max_batch}) so decoding can continue while a batch runs")
+        for name, pool in pools.items():
+            if self.ring.max_slots < pool.max_batch + 1:
+                raise ValueError(
+                    f"ring.max_slots ({self.ring.max_slots}) must exceed models.{name}.max_batch "
+                    f"({pool.max_batch}) so decoding can continue while a batch runs")
         return self
 
 
@@ -284,9 +327,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`models.vit.max_batch=4` -> ("models.vit.max_batch", 4); the value is parsed as YAML."""
+    """`models.classify.max_batch=4` -> ("models.classify.max_batch", 4); the value is parsed as YAML."""
     if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. models.vit.max_batch=4")
+        raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. models.classify.max_batch=4")
     key, _, raw = text.partition("=")
     return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
 
@@ -300,8 +343,10 @@ def _format_errors(err: ValidationError, source: str, tree: dict) -> str:
             allowed = ", ".join(sorted(parent.model_fields)) if parent else "?"
             lines.append(f"  {loc}: unknown key; allowed here: {allowed}")
         else:
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})" if "input" in e and e["type"] != "missing"
-                         else f"  {loc}: {e['msg']}")
+            msg = e["msg"].removeprefix("Value error, ")
+            # a cross-field check (a model validator) names its keys itself; its input is a whole section
+            show_input = "input" in e and e["type"] not in ("missing", "value_error")
+            lines.append(f"  {loc}: {msg} (got {e.get('input')!r})" if show_input else f"  {loc}: {msg}")
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ class Engine:
         """(name, workers, scheduling options, stage 2) of each configured pool."""
         cfg, specs = self.cfg, []
         injected = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in self._injected.items()}
-        vit = cfg.models.vit
+        vit = cfg.models.classify
         if vit is not None:
             workers = injected.get("vit")
             if workers is None:

@@ -6,7 +6,7 @@ import timm
 import torch
 from PIL import Image
 
-from engine.config import VitConfig
+from engine.config import ClassifyConfig as VitConfig
 from engine.errors import ConfigError, WeightsError
 from engine.ring import FrameView
 from engine.workers.classify import ClassifierWorker

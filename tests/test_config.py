@@ -19,12 +19,12 @@ def tree(**patch):
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, mode, url"),
-    ({"models__vit__nam": "x"}, r"models\.vit\.nam: unknown key; allowed here: .*max_batch.*name"),
+    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, mode, pools, url"),
+    ({"models__classify__nam": "x"}, r"models\.classify\.nam: unknown key; allowed here: .*max_batch.*name"),
     ({"budgett": {}}, r"budgett: unknown key"),
     ({"streams__0__mode": "realtime"}, r"streams\.0\.mode: Input should be 'live' or 'offline'"),
-    ({"models__vit__max_batch": 0}, r"models\.vit\.max_batch: Input should be greater than or equal to 1"),
-    ({"models__vit__max_batch": "eight"}, r"models\.vit\.max_batch: Input should be a valid integer"),
+    ({"models__classify__max_batch": 0}, r"models\.classify\.max_batch: Input should be greater than or equal to 1"),
+    ({"models__classify__max_batch": "eight"}, r"models\.classify\.max_batch: Input should be a valid integer"),
     ({"budget__latency_ms": -5}, r"budget\.latency_ms: Input should be greater than 0"),
     ({"source__stall_timeout_s": -1}, r"source\.stall_timeout_s: Input should be greater than 0"),
     ({"source__open_timeout_s": 0}, r"source\.open_timeout_s: Input should be greater than 0"),
@@ -32,9 +32,13 @@ def tree(**patch):
     ({"malloc_arenas": -1}, r"malloc_arenas: Input should be greater than or equal to 0"),
     ({"streams__0__loop": "sometimes"}, r"streams\.0\.loop: Input should be a valid boolean"),
     ({"streams__0__id": "cam 1"}, r"streams\.0\.id: .*must match"),
-    ({"models__vit__preprocess": "pil"}, r"models\.vit\.preprocess: Input should be 'fast' or 'exact'"),
-    ({"streams": []}, r"streams: List should have at least 1 item"),
-    ({"ring__max_slots": 4}, r"ring\.max_slots \(4\) must exceed models\.vit\.max_batch \(8\)"),
+    ({"models__classify__preprocess": "pil"}, r"models\.classify\.preprocess: Input should be 'fast' or 'exact'"),
+    ({"streams": [], "control": {"enabled": False}}, r"no streams and control\.enabled is false"),
+    ({"streams__0__pools": ["sam2"]}, r"streams\.0\.pools: pool 'sam2' is not configured; configured: \['classify'\]"),
+    ({"streams__0__pools": []}, r"streams\.0\.pools: List should have at least 1 item"),
+    ({"max_streams": 0}, r"max_streams: Input should be greater than or equal to 1"),
+    ({"source__backoff_reset_after_s": 0}, r"source\.backoff_reset_after_s: Input should be greater than 0"),
+    ({"ring__max_slots": 4}, r"ring\.max_slots \(4\) must exceed models\.classify\.max_batch \(8\)"),
 ], ids=lambda v: str(v)[:40])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message):
@@ -49,7 +53,11 @@ def test_config_errors_name_the_key(patch, message):
     ({"objects": [{"stream": "cam1", "id": 1, "box": [0, 0, 5]}], "models": {"sam2": {}}},
      "objects.0.box: List should have at least 4 items"),
     ({"models": {"sam2": {"image_size": 300}}}, r"models.sam2.image_size: Input should be a multiple of 32"),
-    ({"models": {"vit": None}}, "configure models.vit, models.sam2 or both"),
+    ({"models": {}}, "configure models.classify, models.sam2 or both"),
+    ({"models": {"vit": {}, "classify": {}}}, "models.vit and models.classify are the same pool"),
+    ({"models": {"sam2": {"max_objects": 0}}}, r"models.sam2.max_objects: Input should be greater than or equal to 1"),
+    ({"models": {"sam2": {}, "classify": {}}, "streams": [{"id": "cam1", "url": "x", "pools": ["classify"]}],
+      "objects": [{"stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}]}, r"let stream 'cam1' feed it \(streams\[\]\.pools\)"),
 ])
 def test_sam2_config_errors(patch, message):
     with pytest.raises(ConfigError, match=message):
@@ -67,28 +75,47 @@ def test_defaults_follow_the_contract():
     assert applied == []
     assert cfg.streams[0].mode == "live"
     assert cfg.budget.latency_ms == 17
-    assert cfg.models.vit.name == "vit_large_patch16_224"
-    assert cfg.models.vit.weights == "pretrained"
-    assert (cfg.models.vit.max_batch, cfg.models.vit.topk, cfg.models.vit.embedding) == (8, 5, False)
+    assert list(cfg.models.configured()) == ["classify"]  # no models section: one classify pool
+    assert cfg.models.classify.name == "vit_large_patch16_224"
+    assert cfg.models.classify.weights == "pretrained"
+    assert (cfg.models.classify.max_batch, cfg.models.classify.topk, cfg.models.classify.embedding) == (8, 5, False)
+    assert cfg.streams[0].pools is None  # every configured pool
+    assert cfg.max_streams == 64
     assert cfg.publish.endpoint == "tcp://127.0.0.1:5556"
     assert (cfg.metrics.host, cfg.metrics.port) == ("127.0.0.1", 9108)
 
 
+def test_only_the_named_pools_run():
+    cfg, _ = build_config(dict(GOOD, models={"sam2": {}}), cuda_available=True)
+    assert list(cfg.models.configured()) == ["sam2"] and cfg.models.classify is None
+    assert cfg.models.sam2.checkpoint == "pretrained" and cfg.models.sam2.max_objects == 32
+    both, _ = build_config(dict(GOOD, models={"sam2": {}, "classify": {"name": "test_vit"}}), cuda_available=True)
+    assert list(both.models.configured()) == ["classify", "sam2"]
+
+
+def test_models_vit_still_loads_with_a_deprecation_warning(caplog):
+    cfg, _ = build_config(dict(GOOD, models={"vit": {"name": "test_vit"}}), overrides=["models.vit.topk=3"],
+                          cuda_available=True)
+    assert cfg.models.classify.name == "test_vit" and cfg.models.classify.topk == 3
+    assert "models.vit is deprecated: rename it to models.classify" in caplog.text
+
+
 def test_set_overrides_and_on_cpu():
-    t = dict(GOOD, on_cpu={"models.vit.name": "vit_tiny_patch16_224", "budget.latency_ms": 200})
-    cfg, applied = build_config(t, overrides=["models.vit.max_batch=4", "streams.0.mode=offline"], cuda_available=False)
-    assert cfg.models.vit.max_batch == 4 and cfg.streams[0].mode == "offline"
-    assert cfg.models.vit.name == "vit_tiny_patch16_224" and cfg.budget.latency_ms == 200
-    assert applied == ["models.vit.name=vit_tiny_patch16_224", "budget.latency_ms=200"]
+    t = dict(GOOD, on_cpu={"models.classify.name": "vit_tiny_patch16_224", "budget.latency_ms": 200})
+    cfg, applied = build_config(t, overrides=["models.classify.max_batch=4", "streams.0.mode=offline"],
+                                cuda_available=False)
+    assert cfg.models.classify.max_batch == 4 and cfg.streams[0].mode == "offline"
+    assert cfg.models.classify.name == "vit_tiny_patch16_224" and cfg.budget.latency_ms == 200
+    assert applied == ["models.classify.name=vit_tiny_patch16_224", "budget.latency_ms=200"]
     cfg_gpu, applied_gpu = build_config(t, cuda_available=True)
-    assert cfg_gpu.models.vit.name == "vit_large_patch16_224" and applied_gpu == []
+    assert cfg_gpu.models.classify.name == "vit_large_patch16_224" and applied_gpu == []
 
 
 @pytest.mark.parametrize("text, message", [
-    ("models.vit.max_batch", "expected KEY=VALUE"),
+    ("models.classify.max_batch", "expected KEY=VALUE"),
     ("streams.3.mode=live", "not an index of a list of 1"),
-    ("models.vit.max_batch=zero", r"models\.vit\.max_batch: Input should be a valid integer"),
-    ("models.vit.bogus=1", r"models\.vit\.bogus: unknown key"),
+    ("models.classify.max_batch=zero", r"models\.classify\.max_batch: Input should be a valid integer"),
+    ("models.classify.bogus=1", r"models\.classify\.bogus: unknown key"),
 ])
 def test_bad_overrides(text, message):
     with pytest.raises(ConfigError, match=message):
@@ -106,7 +133,7 @@ def test_shipped_configs_are_valid():
     for path in sorted(Path("configs").glob("*.yaml")):
         for cuda in (True, False):
             cfg, _ = load_config(path, cuda_available=cuda)
-            assert cfg.streams
+            assert cfg.streams and cfg.models.configured()
 
 
 def test_missing_and_broken_files(tmp_path):

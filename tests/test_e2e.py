@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.client import Subscriber
-from engine.config import VitConfig
+from engine.config import ClassifyConfig as VitConfig
 from engine.engine import Engine
 from engine.workers.classify import ClassifierWorker
 from engine.workers.null import NullWorker

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine.accounting import Accounting
-from engine.config import VitConfig
+from engine.config import ClassifyConfig as VitConfig
 from engine.frame import FrameMeta
 from engine.ring import FrameRing
 from engine.workers.classify import ClassifierWorker

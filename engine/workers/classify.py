@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..config import VitConfig
+from ..config import ClassifyConfig as VitConfig
 from ..errors import ConfigError, WeightsError
 from .base import Worker, time_batches
 
