@@ -1,7 +1,21 @@
-"""Per-stream frame accounting: ingested == published + dropped + failed + in_flight.
+"""Per-stream frame accounting of one pool, with an in-flight count that can disagree.
 
-One lock guards every counter of a pool, so the equation holds at every moment a
-snapshot is taken (metrics, status line, tests). Latencies are kept in bounded windows.
+Every frame a pool ingests ends in exactly one terminal state: published, dropped(reason) or
+failed(reason). The terminal counters are counted where the frame ends. `in_flight` is NOT
+derived from them: it is counted from the frames the pipeline's holders really hold (the rings'
+ready slots, the scheduler, the batches on the workers, the output stage, the publisher's
+queues), each of which registers a counting function here. So
+
+    ingested == published + dropped + failed + in_flight
+
+is a check that fails when a frame leaks (a holder loses it without a terminal state) or is
+counted twice, not an identity.
+
+One re-entrant lock per pool (`lock`, the pool's ledger lock) guards the counters AND every
+holder's containers: a frame moves from one holder to the next, or to its terminal state, inside
+one critical section, so the check holds at every moment a snapshot is taken, not just at rest.
+The rings' condition variables are built on this lock for the same reason. Critical sections
+are a few dict and deque operations; pixels are never copied under it.
 """
 
 from __future__ import annotations
@@ -9,10 +23,13 @@ from __future__ import annotations
 import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
 LATENCY_WINDOW = 1024  # recent latencies per stream for p50/p99; bounded on purpose
+
+Holder = Callable[[], Counter]  # frames held, by stream; called with the pool's lock held
 
 
 @dataclass
@@ -23,9 +40,8 @@ class StreamCounts:
     failed: Counter = field(default_factory=Counter)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
 
-    @property
-    def in_flight(self) -> int:
-        return self.ingested - self.published - sum(self.dropped.values()) - sum(self.failed.values())
+    def terminal(self) -> int:
+        return self.published + sum(self.dropped.values()) + sum(self.failed.values())
 
 
 @dataclass(frozen=True)
@@ -35,7 +51,8 @@ class Snapshot:
     published: int
     dropped: dict
     failed: dict
-    in_flight: int
+    in_flight: int   # frames the holders hold (counted, not derived)
+    held: dict       # the same, per holder
     p50_ms: float
     p99_ms: float
 
@@ -44,13 +61,32 @@ class Snapshot:
 
 
 class Accounting:
-    """Thread-safe counters of one pool, keyed by stream."""
+    """Thread-safe counters of one pool, keyed by stream, and the registry of frame holders."""
 
     def __init__(self, pool: str):
         self.pool = pool
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
         self._streams: dict[str, StreamCounts] = {}
+        self._holders: dict[str, Holder] = {}
 
+    # -- holders -------------------------------------------------------------------------
+    def add_holder(self, name: str, count: Holder) -> None:
+        with self.lock:
+            self._holders[name] = count
+
+    def remove_holder(self, name: str) -> None:
+        with self.lock:
+            self._holders.pop(name, None)
+
+    def _held(self) -> dict[str, Counter]:
+        return {name: count() for name, count in self._holders.items()}
+
+    def held(self, stream: str, *, exclude: tuple[str, ...] = ()) -> int:
+        """Frames of `stream` held anywhere in this pool (but in the holders named in `exclude`)."""
+        with self.lock:
+            return sum(count()[stream] for name, count in self._holders.items() if name not in exclude)
+
+    # -- terminal counters ----------------------------------------------------------------
     def _get(self, stream: str) -> StreamCounts:
         c = self._streams.get(stream)
         if c is None:
@@ -58,35 +94,54 @@ class Accounting:
         return c
 
     def ingest(self, stream: str, n: int = 1) -> None:
-        with self._lock:
+        with self.lock:
             self._get(stream).ingested += n
 
     def publish(self, stream: str, latency_ms: float) -> None:
-        with self._lock:
+        with self.lock:
             c = self._get(stream)
             c.published += 1
             c.latencies_ms.append(latency_ms)
 
     def drop(self, stream: str, reason: str, n: int = 1) -> None:
-        with self._lock:
+        with self.lock:
             self._get(stream).dropped[str(getattr(reason, "value", reason))] += n
 
     def fail(self, stream: str, reason: str, n: int = 1) -> None:
-        with self._lock:
+        with self.lock:
             self._get(stream).failed[str(getattr(reason, "value", reason))] += n
 
+    def forget(self, stream: str) -> None:
+        """A removed stream's entry goes (bounded memory and metric series under churn)."""
+        with self.lock:
+            self._streams.pop(stream, None)
+
+    # -- reading ----------------------------------------------------------------------------
     def streams(self) -> list[str]:
-        with self._lock:
+        with self.lock:
             return list(self._streams)
 
-    def in_flight(self, stream: str) -> int:
-        with self._lock:
-            return self._get(stream).in_flight
-
     def snapshot(self, stream: str) -> Snapshot:
-        with self._lock:
-            c = self._get(stream)
+        with self.lock:
+            c = self._streams.get(stream) or StreamCounts()
+            held = {name: n[stream] for name, n in self._held().items() if n[stream]}
             lat = np.asarray(c.latencies_ms, dtype=np.float64)
-            p50, p99 = (np.percentile(lat, [50, 99]).tolist() if lat.size else (float("nan"),) * 2)
-            return Snapshot(stream, c.ingested, c.published, dict(c.dropped), dict(c.failed),
-                            c.in_flight, p50, p99)
+            snap = Snapshot(stream, c.ingested, c.published, dict(c.dropped), dict(c.failed),
+                            sum(held.values()), held, float("nan"), float("nan"))
+        if lat.size:  # percentiles outside the lock
+            p50, p99 = np.percentile(lat, [50, 99]).tolist()
+            snap = Snapshot(**{**snap.__dict__, "p50_ms": p50, "p99_ms": p99})
+        return snap
+
+    def audit(self) -> dict[str, tuple[int, int]]:
+        """Streams whose counters and holders disagree: {stream: (ingested - terminal, held)}."""
+        with self.lock:
+            held: Counter = Counter()
+            for n in self._held().values():
+                held.update(n)
+            out = {}
+            for stream in set(self._streams) | set(held):
+                c = self._streams.get(stream) or StreamCounts()
+                if c.ingested - c.terminal() != held[stream]:
+                    out[stream] = (c.ingested - c.terminal(), held[stream])
+            return out

@@ -34,17 +34,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("vidar: no CUDA GPU found: applying the config's on_cpu overrides: " + ", ".join(applied), flush=True)
     else:
         print("vidar: no CUDA GPU found: running on the CPU", flush=True)
-    if cfg.models.classify:
-        v = cfg.models.classify
-        print(f"vidar: model {v.name} (weights: {v.weights}), budget {cfg.budget.latency_ms:g} ms, "
-              f"max_batch {v.max_batch}; results on {cfg.publish.endpoint}"
-              + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),
-              flush=True)
-    try:
-        return run(Engine(cfg))
-    except ConfigError as err:
-        print(f"vidar: {err}", file=sys.stderr)
-        return EXIT_CONFIG
+    pools = []
+    for name, p in cfg.models.configured().items():
+        model = getattr(p, "name", None) or getattr(p, "config", "?")
+        weights = getattr(p, "weights", None) or getattr(p, "checkpoint", "?")
+        pools.append(f"{name} {model} (weights: {weights}, max_batch {p.max_batch})")
+    print(f"vidar: pools: {'; '.join(pools)}; budget {cfg.budget.latency_ms:g} ms; results on {cfg.publish.endpoint}"
+          + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),
+          flush=True)
+    return run(Engine(cfg))
 
 
 def _human(msg: dict) -> str:
@@ -128,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run the engine on a config")
     r.add_argument("config", help="YAML config, e.g. configs/demo.yaml")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set models.vit.max_batch=4 (repeatable)")
+                   help="override a config key, e.g. --set models.classify.max_batch=4 (repeatable)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("subscribe", help="print results from a running engine")
     s.add_argument("endpoint", nargs="?", default="tcp://127.0.0.1:5556")
-    s.add_argument("--topic", action="append", help="topic prefix, e.g. vit.cam1 or event. (repeatable)")
+    s.add_argument("--topic", action="append", help="topic prefix, e.g. classify.cam1 or event. (repeatable)")
     s.add_argument("--json", action="store_true", help="JSON lines (bytes as hex)")
     s.add_argument("--count", type=int, help="exit after this many messages")
     s.add_argument("--timeout", type=float, help="exit 1 if nothing arrives for this many seconds")

@@ -15,21 +15,24 @@ A bad request never stops the engine.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Any
 
 import msgpack
 from pydantic import ValidationError
 
-from .config import ObjectConfig, StreamConfig
-from .errors import VidarError
+from streams import redact_url
+
+from .config import StreamConfig
+from .errors import ConfigError, ControlError, VidarError
+from .workers.registry import FAMILY_OPS, pool_for_op
 
 log = logging.getLogger("vidar.control")
 
-OPS = ("list", "add_stream", "remove_stream", "add_object", "remove_object", "reset_stream")
+CORE_OPS = ("list", "add_stream", "remove_stream")
+OPS = CORE_OPS + tuple(op for ops in FAMILY_OPS.values() for op in ops)
 
-
-class ControlError(VidarError):
-    """A control request was malformed or named something unknown."""
+__all__ = ["ControlError", "OPS", "handle", "request", "serve"]
 
 
 def _need(req: dict, key: str, kind: type) -> Any:
@@ -41,18 +44,23 @@ def _need(req: dict, key: str, kind: type) -> Any:
     return value
 
 
-def _decoder(engine):
-    if engine.decoder is None:
-        raise ControlError("objects need the SAM 2 pool: configure models.sam2")
-    return engine.decoder
-
-
-def handle(engine, req: Any) -> dict:
-    """Run one request against the engine. Never raises: errors become {"ok": false, "error": ...}."""
+def _wait(fut: Future, timeout: float, op: str) -> Any:
     try:
-        if not isinstance(req, dict) or not isinstance(req.get("op"), str):
+        return fut.result(timeout)
+    except FutureTimeout:
+        raise ControlError(f"{op}: no answer from the engine within {timeout:g} s (overloaded? try again)") from None
+    except RuntimeError as err:  # the core or an output stage has stopped
+        raise ControlError(f"{op}: {err}") from None
+
+
+def handle(engine, req: Any, timeout: float = 10.0) -> dict:
+    """Run one request against the engine, through the thread that owns what it changes: stream ops on
+    the engine core, object ops on the output thread of the pool that serves them. Never raises:
+    errors become {"ok": false, "error": ...}. Requests are never logged (URLs may hold credentials)."""
+    op = req.get("op") if isinstance(req, dict) else None
+    try:
+        if not isinstance(op, str):
             raise ControlError(f"a request is a map with an 'op' key, one of {list(OPS)}")
-        op = req["op"]
         if op == "list":
             return {"ok": True, "streams": engine.describe()}
         if op == "add_stream":
@@ -61,65 +69,69 @@ def handle(engine, req: Any) -> dict:
             except ValidationError as err:
                 e = err.errors()[0]
                 raise ControlError(f"add_stream: stream.{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
-            engine.add_stream(scfg)
+            _wait(engine.core.call(engine.table.add, scfg), timeout, op)
+            log.info("stream %s added (%s)", scfg.id, redact_url(scfg.url))
             return {"ok": True, "stream": scfg.id}
         if op == "remove_stream":
-            engine.remove_stream(_need(req, "stream", str))
+            _wait(engine.core.call(engine.table.remove, _need(req, "stream", str)), timeout, op)
             return {"ok": True}
-        if op == "add_object":
-            try:
-                o = ObjectConfig.model_validate({k: v for k, v in req.items() if k != "op"})
-            except ValidationError as err:
-                e = err.errors()[0]
-                raise ControlError(f"add_object: {'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}") from None
-            from .workers.sam2_tracker import Prompt
-            _decoder(engine).add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
-            return {"ok": True}
-        if op == "remove_object":
-            _decoder(engine).remove_object(_need(req, "stream", str), _need(req, "id", int))
-            return {"ok": True}
-        if op == "reset_stream":
-            _decoder(engine).reset_stream(_need(req, "stream", str))
-            return {"ok": True}
+        pool = engine.pool_serving(op)
+        if pool is not None:
+            processor = pool.spec.processor
+            extra = _wait(pool.output.post(lambda: processor.control(op, dict(req))), timeout, op)
+            return {"ok": True, **(extra or {})}
+        family = pool_for_op(op)
+        if family is not None:
+            raise ControlError(f"{op} needs the {family} pool: configure models.{family}")
         raise ControlError(f"unknown op {op!r}; allowed: {list(OPS)}")
     except VidarError as err:
         return {"ok": False, "error": str(err)}
     except Exception as err:  # a bug must not take the engine down with it
-        log.exception("control: request %r failed", req)
-        return {"ok": False, "error": f"internal error: {type(err).__name__}: {err}"}
+        why = redact_url(f"{type(err).__name__}: {err}")
+        log.error("control: %s request failed with an internal error: %s", str(op)[:40], why)
+        return {"ok": False, "error": f"internal error: {why}"}
 
 
-async def serve(engine, endpoint: str, max_message_bytes: int, stop) -> None:
-    """Answer requests until `stop` (an asyncio.Event) is set."""
-    import asyncio
-
+def bind(endpoint: str, max_message_bytes: int, *, curve=None, ctx=None):
+    """The control socket, bound now (at start-up: a busy port is a configuration error, exit 2).
+    A plain ZeroMQ REP socket; `serve` answers on it through an asyncio shadow."""
     import zmq
-    import zmq.asyncio
 
-    # Shadow the engine's context, so the CURVE authenticator (a per-context ZAP handler) covers it.
-    ctx = zmq.asyncio.Context.shadow(zmq.Context.instance().underlying)
-    sock = ctx.socket(zmq.REP)
-    if engine.curve is not None:
-        engine.curve.server_socket(sock)
+    sock = (ctx or zmq.Context.instance()).socket(zmq.REP)
+    if curve is not None:  # the CURVE authenticator is per context: it covers this socket too
+        curve.server_socket(sock)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # larger requests are cut off by ZeroMQ itself
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(endpoint)
-    log.info("control socket on %s", endpoint)
-    loop = asyncio.get_running_loop()
     try:
-        while not stop.is_set():
-            if not await sock.poll(100):
-                continue
-            raw = await sock.recv()
-            try:
-                req = msgpack.unpackb(raw, raw=False)
-            except Exception:
-                reply = {"ok": False, "error": "request is not valid msgpack"}
-            else:
-                reply = await loop.run_in_executor(None, handle, engine, req)
-            await sock.send(msgpack.packb(reply, use_bin_type=True))
-    finally:
+        sock.bind(endpoint)
+    except zmq.ZMQError as err:
         sock.close(0)
+        raise ConfigError(f"control.endpoint: cannot bind {endpoint!r}: {err} "
+                          "(another vidar running? pick another port, or control.enabled: false)") from None
+    log.info("control socket on %s", endpoint)
+    return sock
+
+
+async def serve(engine, sock, stop) -> None:
+    """Answer requests on the bound socket until `stop` (an asyncio.Event) is set. Requests run on an
+    executor thread (they wait for the engine's threads), never on the event loop."""
+    import asyncio
+
+    import zmq.asyncio
+
+    asock = zmq.asyncio.Socket.shadow(sock.underlying)
+    loop = asyncio.get_running_loop()
+    while not stop.is_set():
+        if not await asock.poll(100):
+            continue
+        raw = await asock.recv()
+        try:
+            req = msgpack.unpackb(raw, raw=False)
+        except Exception:
+            reply = {"ok": False, "error": "request is not valid msgpack"}
+        else:
+            reply = await loop.run_in_executor(None, engine.control, req)
+        await asock.send(msgpack.packb(reply, use_bin_type=True))
 
 
 def request(endpoint: str, req: dict, timeout: float = 10.0, curve: tuple[str, str] | None = None) -> dict:

@@ -32,6 +32,10 @@ class SourceOpenError(SourceError):
     """The stream's URL or file could not be opened (missing, not a video, unreachable)."""
 
 
+class ControlError(VidarError):
+    """A control request was malformed, named something unknown, or was refused (admission limits)."""
+
+
 class ModelError(VidarError):
     """A model raised while running a batch. Recoverable: the batch's frames fail."""
 

@@ -4,6 +4,11 @@ Why threads: the model releases the GIL inside its kernels. On a 2-core CPU, two
 with one intra-op thread each beat one instance with two threads by ~1.5x when a decoder
 thread shares the cores (measured: 91 vs 59 frames/s, vit_tiny at batch 4 on 720p), because
 OpenMP's barrier-synchronised parallel regions stall whenever the decoder takes a core.
+
+A worker thread owns nothing shared: the engine core hands it a batch (`current`, set under the
+pool's ledger lock), and it hands the result back through `on_done`, which accepts it only if
+that batch is still its `current` (the watchdog may have declared it hung and replaced this
+thread meanwhile). A replaced thread ends after its batch and never touches the pool again.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .frame import FailReason
@@ -22,35 +27,47 @@ from .workers.base import Worker
 log = logging.getLogger("vidar.executor")
 
 
-@dataclass
-class BatchResult:
-    batch_id: int
+@dataclass(eq=False)
+class Batch:
+    id: int                   # dispatch order within the pool: the output stage publishes in this order
     frames: list[FrameView]
+    t_dispatch: float = 0.0   # monotonic; dispatch -> output done is what the scheduler's latency model learns
+
+
+@dataclass(eq=False)
+class BatchResult:
+    batch: Batch
     outputs: Optional[list[dict]] = None
     fail_reason: Optional[FailReason] = None
     error: Optional[BaseException] = None
     elapsed: float = 0.0
-    worker: int = 0
-    meta: dict = field(default_factory=dict)
+
+    @property
+    def frames(self) -> list[FrameView]:
+        return self.batch.frames
 
 
 class WorkerThread:
-    def __init__(self, name: str, index: int, worker: Worker, *, threads: Optional[int],
-                 on_done: Callable[[BatchResult], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, pool: str, index: int, worker: Worker, *, threads: Optional[int],
+                 on_done: Callable[["WorkerThread", BatchResult], bool],
+                 factory: Optional[Callable[[], Worker]] = None, wake: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.index, self.worker = index, worker
-        self._threads, self._on_done, self._clock = threads, on_done, clock
+        self._threads, self._on_done, self._factory, self._wake, self._clock = threads, on_done, factory, wake, clock
         self._inbox: queue.Queue = queue.Queue(maxsize=1)
         self.idle = True
-        self.abandoned = False  # set by the watchdog: whatever this thread finishes is ignored
-        self.current: Optional[tuple[int, list[FrameView]]] = None
+        self.abandoned = False  # set by the watchdog (under the ledger lock)
+        self.current: Optional[Batch] = None
         self.busy_since: Optional[float] = None
-        self._thread = threading.Thread(target=self._run, name=f"worker-{name}-{index}", daemon=True)
+        self.rebuilds = 0
+        self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
 
-    def submit(self, batch_id: int, frames: list[FrameView]) -> None:
+    def submit(self, batch: Batch) -> None:
+        """Core thread, ledger lock held, only when idle: the inbox is empty, so this never blocks."""
         self.idle = False
-        self.current, self.busy_since = (batch_id, frames), self._clock()
-        self._inbox.put((batch_id, frames))
+        self.current, self.busy_since = batch, self._clock()
+        self._inbox.put_nowait(batch)
 
     def stop(self, timeout: float) -> bool:
         if self.abandoned:
@@ -67,30 +84,44 @@ class WorkerThread:
             import torch
             torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
         while True:
-            item = self._inbox.get()
-            if item is None:
+            batch = self._inbox.get()
+            if batch is None:
                 return
-            batch_id, frames = item
-            res = self._execute(batch_id, frames)
-            self.current, self.busy_since = None, None
-            if not self.abandoned:
-                self._on_done(res)
+            res = self._execute(batch)
+            self._on_done(self, res)
+            if self.abandoned:
+                return
+            if res.fail_reason is not None:
+                self._rebuild()
+            self.busy_since = None
+            self.idle = True
+            self._wake()
 
-    def _execute(self, batch_id: int, frames: list[FrameView]) -> BatchResult:
-        res = BatchResult(batch_id, frames, worker=self.index)
+    def _rebuild(self) -> None:
+        """After a failed batch the instance may be in a bad state: replace it (on this thread)."""
+        if self._factory is None:
+            return
+        try:
+            self.worker = self._factory()
+            self.rebuilds += 1
+        except Exception:  # keep the old instance: a pool with no worker would stall every stream
+            log.exception("worker %d: rebuilding the worker failed; keeping the old instance", self.index)
+
+    def _execute(self, batch: Batch) -> BatchResult:
+        res = BatchResult(batch)
         t0 = self._clock()
         try:
-            inputs = self.worker.prepare(frames)
+            inputs = self.worker.prepare(batch.frames)
         except Exception as err:
             res.fail_reason, res.error = FailReason.PREPROCESS_ERROR, err
             return res
         finally:
-            for fv in frames:
+            for fv in batch.frames:
                 fv.release()  # the input batch is built: decoding may reuse the slots now
         try:
             outputs = self.worker.infer(inputs)
-            if len(outputs) != len(frames):
-                raise RuntimeError(f"worker returned {len(outputs)} outputs for {len(frames)} frames")
+            if len(outputs) != len(batch.frames):
+                raise RuntimeError(f"worker returned {len(outputs)} outputs for {len(batch.frames)} frames")
             res.outputs = outputs
         except Exception as err:
             res.fail_reason, res.error = FailReason.MODEL_ERROR, err

@@ -1,7 +1,9 @@
 """A frame's metadata and lifecycle.
 
-QUEUED -> BATCHED -> RUNNING -> PUBLISHED | DROPPED(reason) | FAILED(reason)
-Every frame a pool ingests ends in exactly one terminal state; `Accounting` counts them.
+READY (ring) -> QUEUED (scheduler) -> RUNNING (a worker) -> OUTPUT (reorder, output processor)
+  -> PUBLISHING (the publisher's queue) -> PUBLISHED | DROPPED(reason) | FAILED(reason)
+Every frame a pool ingests ends in exactly one terminal state; `Accounting` counts them, and
+counts the frames each stage holds, independently.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ class DropReason(str, Enum):
     PUBLISH_QUEUE = "publish_queue"  # live: publisher thread's queue full
     PUBLISH_HWM = "publish_hwm"      # live: a subscriber's ZeroMQ queue full (HWM)
     SHUTDOWN = "shutdown"            # aborted at shutdown after the drain timeout
-    STREAM_REMOVED = "stream_removed"
+    STREAM_REMOVED = "stream_removed"  # its stream was removed while the frame was queued or running
 
 
 class FailReason(str, Enum):
     MODEL_ERROR = "model_error"
     MODEL_HANG = "model_hang"        # the batch outran faults.batch_timeout_s; its worker was replaced
     PREPROCESS_ERROR = "preprocess_error"
+    OUTPUT_ERROR = "output_error"    # the output stage (e.g. SAM 2's decoder stage, rendering) raised
+    ENGINE_DEAD = "engine_dead"      # in flight when the engine died (the eos says why)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,8 @@ STREAM_COUNTERS = {  # name -> help; values come from the engine's per-stream co
     "ring_overwrites": "Live frames overwritten in a full ring",
     "decode_errors": "Corrupt packets skipped (the decoder resyncs at the next keyframe)",
     "reconnects": "Network sessions that ended and were reconnected",
+    "events_dropped": "Events dropped: more than 64 of a stream's events were held back by a subscriber at its HWM",
+    "object_failures": "Tracked objects whose step failed on a frame (their memory is left as it was)",
 }
 
 

@@ -1,29 +1,35 @@
-"""One model pool: a dispatcher thread, a pure scheduler, and one or more worker threads.
+"""One model pool: its rings, a pure scheduler, worker threads, and an output stage.
 
-The dispatcher is the only thread that touches the scheduler. It pulls frames from the rings
-only when a worker is idle, so while every worker is busy new frames stay in the rings, where
-live rings overwrite the oldest (drop-oldest) and offline rings push back on the decoder.
-Results are published in dispatch order (a small reorder buffer), so each stream's results
-stay in sequence even when several workers finish out of order.
+The pool has no thread of its own for scheduling: the engine core thread (its one owner) calls
+`step(now)`, which takes ready frames from the rings into the scheduler, drops the frames that
+cannot meet their deadline, dispatches batches to idle workers and runs the watchdog. Workers
+hand finished batches straight to the pool's output stage (its own thread: reordering, the
+family's output processor, the late check, publishing), so no worker ever waits for output.
+
+Every move of a frame (ring -> scheduler -> worker -> output stage -> publisher -> terminal) is
+done under the pool's ledger lock (`acct.lock`), and each holder reports what it holds, so the
+pool's in-flight count is counted, not derived (see accounting.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter, deque
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 from .accounting import Accounting
-from .executor import BatchResult, WorkerThread
+from .config import FaultsConfig
+from .executor import Batch, BatchResult, WorkerThread
+from .faults import FaultPolicy
 from .frame import DropReason, FailReason
 from .latency import LatencyModel
 from .metrics import Metrics
+from .output import OutputStage
 from .publisher import Publisher
 from .ring import FrameRing, FrameView
 from .scheduler import EdfScheduler
-from .workers.base import Worker
+from .workers.registry import PoolSpec
 
 log = logging.getLogger("vidar.pool")
 
@@ -31,295 +37,227 @@ LOG_EVERY_S = 5.0  # drops are logged in aggregate, never per frame
 
 
 class Pool:
-    def __init__(self, name: str, workers: Sequence[Worker], *, max_batch: int, max_wait_s: float,
-                 publisher: Publisher, threads: Optional[int] = None, metrics: Optional[Metrics] = None,
-                 on_stream_done: Callable[[str, str], None] = lambda p, s: None,
-                 stage2: Optional[Callable[[list, list], list]] = None,
-                 worker_factory: Optional[Callable[[], Worker]] = None,
-                 max_failures: int = 3, failure_window_s: float = 60.0, batch_timeout_s: float = 30.0,
+    def __init__(self, spec: PoolSpec, *, publisher: Publisher, faults: FaultsConfig, max_wait_s: float,
+                 credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic):
-        if not workers:
+        if not spec.workers:
             raise ValueError("a pool needs at least one worker")
-        self.name, self.workers = name, list(workers)
-        self.worker = self.workers[0]
-        self.acct = Accounting(name)
-        self.scheduler = EdfScheduler(max_batch=max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
-        self._publisher, self._metrics, self._on_done = publisher, metrics, on_stream_done
-        self._clock, self._threads = clock, threads
-        self._stage2 = stage2  # a shared stage run in dispatch order after the workers (SAM 2's decoder)
-        # Faults: a failed or hung batch gets a fresh worker; K failures in W seconds kill the engine.
-        self._factory = worker_factory
-        self._max_failures, self._window_s, self._batch_timeout_s = max_failures, failure_window_s, batch_timeout_s
-        self._failures: deque = deque()
-        self.rebuilds = 0
-        self._rings: dict[str, FrameRing] = {}
-        self._done: set[str] = set()
-        self._removals: list = []
-        self._lock = threading.Lock()        # rings
-        self._out_lock = threading.Lock()    # reorder buffer and publication
-        self._completed: dict[int, BatchResult] = {}
-        self._next_publish = 0
+        self.name, self.spec = spec.name, spec
+        self.workers = spec.workers
+        self.acct = Accounting(spec.name)
+        self.scheduler = EdfScheduler(max_batch=spec.max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
+        self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
+        self._batch_timeout_s, self._credit = faults.batch_timeout_s, credit
+        self._publisher, self._metrics, self._wake, self._clock = publisher, metrics, wake, clock
+        self.rings: dict[str, FrameRing] = {}
+        self.runners: list[WorkerThread] = []
+        self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done)
         self._next_batch = 0
-        self._timings: deque = deque()       # (batch size, seconds) from workers, for the scheduler
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._abort = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"pool-{name}", daemon=True)
-        self._runners: list[WorkerThread] = []
-        self._pending_log: Counter = Counter()
-        self._log_lock = threading.Lock()
-        self._last_log = time.monotonic()
         self.batches = 0
-        self.error: Optional[BaseException] = None
+        self.rebuilds = 0  # worker instances replaced after a failed or hung batch
+        self._drops: Counter = Counter()  # (stream, reason) since the last aggregated log line
+        self._last_log = time.monotonic()
+        self.output = OutputStage(spec.name, kind=spec.name, weights=spec.workers[0].weights_tag, acct=self.acct,
+                                  publisher=publisher, faults=self.faults, processor=spec.processor,
+                                  on_timing=self._timing, on_drop=self._note_drop, clock=clock)
+        self.acct.add_holder("scheduler", self.scheduler.count_by_key)
+        self.acct.add_holder("workers", self._held_by_workers)
+        self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
 
-    # -- wiring -----------------------------------------------------------------------------
-    def add_ring(self, ring: FrameRing) -> None:
-        with self._lock:
-            self._rings[ring.stream] = ring
-            self._done.discard(ring.stream)  # a stream id may come back after a removal
-        self.wake()
+    @property
+    def kind(self) -> str:
+        return self.name
 
-    def wake(self) -> None:
-        self._wake.set()
+    @property
+    def weights_tag(self) -> str:
+        return self.output.weights
 
-    def remove_stream(self, stream: str, timeout: float = 5.0) -> bool:
-        """Forget a stream: the dispatcher drops what it holds of it (stream_removed). Waits for that."""
-        done = threading.Event()
-        with self._lock:
-            self._removals.append((stream, done))
-        self.wake()
-        return done.wait(timeout) if self._thread.is_alive() else self._apply_removals() or True
-
+    # -- start / stop -------------------------------------------------------------------------
     def warmup(self) -> None:
         sizes = sorted({1, self.scheduler.max_batch})
-        for b, seconds in self.worker.warmup(sizes).items():
+        for b, seconds in self.workers[0].warmup(sizes).items():
             self.scheduler.update(b, seconds)
         log.info("pool %s: %d worker(s); warm-up %s", self.name, len(self.workers),
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
 
     def start(self) -> None:
-        self._runners = [self._new_runner(i, w) for i, w in enumerate(self.workers)]
-        self._thread.start()
+        self.runners = [self._new_runner(i, w) for i, w in enumerate(self.workers)]
+        self.output.start()
 
-    def stop(self, *, drain: bool, timeout: float) -> bool:
-        """drain: finish what the rings and scheduler hold; else drop it. Returns True if every thread ended."""
-        t_end = time.monotonic() + timeout
-        if self._thread.ident is None:  # never started (start-up failed): nothing runs
-            return True
-        if not drain:
-            self._abort.set()
-        self._stop.set()
-        self.wake()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self._abort.set()
-            self._thread.join(2.0)
-        ok = not self._thread.is_alive()
-        for r in self._runners:
-            ok &= r.stop(max(0.1, t_end - time.monotonic()))
-        return ok
-
-    # -- dispatcher thread --------------------------------------------------------------------
-    def _idle_runner(self) -> Optional[WorkerThread]:
-        return next((r for r in self._runners if r.idle and not r.abandoned), None)
-
-    def _new_runner(self, index: int, worker: Worker) -> WorkerThread:
-        return WorkerThread(self.name, index, worker, threads=self._threads, on_done=self._completed_batch,
+    def _new_runner(self, index: int, worker) -> WorkerThread:
+        return WorkerThread(self.name, index, worker, threads=self.spec.threads, on_done=self._completed,
+                            factory=self._rebuild_worker if self.spec.factory else None, wake=self._wake,
                             clock=self._clock)
 
-    def _watchdog(self, now: float) -> None:
-        """A batch running longer than batch_timeout_s is hung: fail its frames, replace its worker."""
-        for i, r in enumerate(self._runners):
-            current, since = r.current, r.busy_since
-            if current is None or since is None or now - since <= self._batch_timeout_s:
-                continue
-            batch_id, frames = current
-            r.abandoned = True
-            for fv in frames:
-                fv.release()
-            log.error("pool %s: batch of %d hung for %.1f s on worker %d: replacing the worker", self.name,
-                      len(frames), now - since, i)
-            self._runners[i] = self._new_runner(i, self._rebuilt(i))
-            err = TimeoutError(f"batch outran faults.batch_timeout_s={self._batch_timeout_s}")
-            self._completed_batch(BatchResult(batch_id, frames, fail_reason=FailReason.MODEL_HANG, error=err,
-                                              worker=i))
-
-    def _rebuilt(self, i: int) -> Worker:
-        """A fresh worker instance for slot i (the old one may be in a bad state)."""
-        if self._factory is None:
-            return self.workers[i]
+    def _rebuild_worker(self):
+        """A fresh worker instance (sharing the model) for a slot whose instance failed or hung."""
         self.rebuilds += 1
-        self.workers[i] = self._factory()
-        return self.workers[i]
+        return self.spec.factory()
 
-    def _record_failure(self, reason: str) -> None:
-        now = self._clock()
-        self._failures.append(now)
-        while self._failures and now - self._failures[0] > self._window_s:
-            self._failures.popleft()
-        if len(self._failures) >= self._max_failures and self.error is None:
-            from .errors import EngineDeadError
-            self.error = EngineDeadError(f"pool {self.name}: {len(self._failures)} failed batches within "
-                                         f"{self._window_s:g} s (last: {reason})")
+    def stop(self, timeout: float) -> bool:
+        """Workers and the output stage end (after abort or drain). True if every thread ended."""
+        t_end = time.monotonic() + timeout
+        ok = True
+        for r in self.runners:
+            ok &= r.stop(max(0.1, t_end - time.monotonic()))
+        ok &= self.output.stop(max(0.1, t_end - time.monotonic()))
+        for w in {id(r.worker): r.worker for r in self.runners}.values():
+            w.close()
+        return ok
 
-    def _run(self) -> None:
-        try:
-            while True:
-                if self._abort.is_set():
-                    self._abort_pending()
-                    return
-                self._wake.clear()  # before pulling: a frame written after this point re-sets it
-                self._apply_removals()
-                while self._timings:
-                    self.scheduler.update(*self._timings.popleft())
-                self._watchdog(self._clock())
-                runner = self._idle_runner()
-                wake_at = None
-                if runner is not None:
-                    now = self._clock()
-                    self._pull(now)
-                    plan = self.scheduler.schedule(now)
-                    for fv in plan.dropped:
-                        self._drop(fv, DropReason.DEADLINE)
-                    if plan.batch:
-                        self._dispatch(runner, plan.batch, now)
-                        continue
+    # -- rings (core thread) ---------------------------------------------------------------------
+    def attach(self, ring: FrameRing) -> None:
+        with self.acct.lock:
+            self.rings[ring.stream] = ring
+            self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}))
+        self.output.add_stream(ring.stream)
+
+    def detach(self, stream: str, reason: DropReason) -> None:
+        """The stream stops feeding this pool: what its ring and the scheduler hold is dropped now;
+        frames already on a worker are dropped by the output stage (it forgets the stream first)."""
+        self.output.remove_stream(stream)
+        with self.acct.lock:
+            ring = self.rings.pop(stream, None)
+            frames = self.scheduler.remove(lambda fv: fv.meta.stream == stream)
+            if ring is not None:
+                ring.close()
+                frames += ring.take_ready()
+            for fv in frames:
+                self._drop(fv, reason)
+            self.acct.remove_holder(f"ring:{stream}")
+        self.scheduler.forget(stream)
+
+    def stream_idle(self, stream: str) -> bool:
+        """Nothing of this stream left to process here: its ring is closed and empty, and no frame of
+        it is in the scheduler, on a worker or in the output stage (results may still be waiting at
+        the publisher, in order before anything queued after this)."""
+        with self.acct.lock:
+            ring = self.rings.get(stream)
+            return (ring is None or ring.closed) and self.acct.held(stream, exclude=("publisher",)) == 0
+
+    # -- the core's step ---------------------------------------------------------------------------
+    def step(self, now: float) -> Optional[float]:
+        """Pull, schedule, dispatch. Returns when to step again at the latest (None: on a wake-up)."""
+        while self._timings:
+            self.scheduler.update(*self._timings.popleft())
+        self._watchdog(now)
+        wake_at = None
+        with self.acct.lock:
+            self._pull(now)
+            while (runner := self._idle_runner()) is not None:
+                plan = self.scheduler.schedule(now)
+                for fv in plan.dropped:
+                    self._drop(fv, DropReason.DEADLINE)
+                if not plan.batch:
                     wake_at = plan.wake_at
-                    if all(r.idle for r in self._runners):
-                        self._check_done()
-                        if self._stop.is_set() and self.scheduler.pending() == 0 and self._all_rings_idle():
-                            return
-                self._log_drops()
-                timeout = 0.1 if wake_at is None else max(0.0, min(0.1, wake_at - self._clock()))
-                self._wake.wait(timeout)
-        except BaseException as err:  # engine-dead: the engine reports it and exits non-zero
-            self.error = err
-            log.exception("pool %s: dispatcher crashed", self.name)
+                    break
+                self._dispatch(runner, plan.batch, now)
+        self._log_drops()
+        return wake_at
+
+    def _idle_runner(self) -> Optional[WorkerThread]:
+        return next((r for r in self.runners if r.idle and not r.abandoned), None)
 
     def _pull(self, now: float) -> None:
-        with self._lock:
-            rings = list(self._rings.values())
-        for ring in rings:
-            for fv in ring.take_ready():
+        """Ledger lock held. An offline stream takes no more than its credit: results it has in the
+        pipeline and at the publisher are bounded, so a stalled subscriber stops only that stream."""
+        for stream, ring in self.rings.items():
+            limit = None
+            if not ring.live:
+                limit = self._credit - self.acct.held(stream, exclude=(f"ring:{stream}",))
+                if limit <= 0:
+                    continue
+            for fv in ring.take_ready(limit):
                 if self._metrics:
                     self._metrics.observe(self.name, "decode", fv.meta.decode_s)
                     self._metrics.observe(self.name, "queue_wait", max(0.0, now - fv.meta.t_decoded))
                 fv.meta.extra["t_taken"] = now
                 self.scheduler.add(fv, deadline=fv.meta.deadline, now=now, key=fv.meta.stream)
 
-    def _dispatch(self, runner: WorkerThread, batch: list[FrameView], now: float) -> None:
+    def _dispatch(self, runner: WorkerThread, frames: list[FrameView], now: float) -> None:
         if self._metrics:
-            for fv in batch:
+            for fv in frames:
                 self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
-        batch_id = self._next_batch
+        batch = Batch(self._next_batch, frames, t_dispatch=now)
         self._next_batch += 1
-        runner.submit(batch_id, batch)
+        self.batches += 1
+        runner.submit(batch)
 
-    def _all_rings_idle(self) -> bool:
-        with self._lock:
-            return all(r.drained() or r.held() == 0 for r in self._rings.values())
+    def _held_by_workers(self) -> Counter:
+        return Counter(fv.meta.stream for r in self.runners if r.current is not None for fv in r.current.frames)
 
+    def _completed(self, runner: WorkerThread, res: BatchResult) -> bool:
+        """Worker thread: hand the batch to the output stage, unless the watchdog already did."""
+        with self.acct.lock:
+            if runner.abandoned or runner.current is not res.batch:
+                return False
+            runner.current = None
+            self.output.submit(res)
+        if self._metrics and res.fail_reason is None:
+            for _ in res.frames:
+                self._metrics.observe(self.name, "inference", res.elapsed)
+        return True
+
+    def _timing(self, batch_size: int, seconds: float) -> None:
+        self._timings.append((batch_size, seconds))
+
+    def _watchdog(self, now: float) -> None:
+        """A batch running longer than batch_timeout_s is hung: it fails (model_hang), its worker thread
+        is abandoned and replaced by a fresh one with a rebuilt worker. The output stage likewise."""
+        for i, r in enumerate(list(self.runners)):
+            with self.acct.lock:
+                batch, since = r.current, r.busy_since
+                if batch is None or since is None or now - since <= self._batch_timeout_s:
+                    continue
+                r.abandoned, r.current = True, None  # from here on nothing it finishes is accepted
+                err = TimeoutError(f"batch outran faults.batch_timeout_s={self._batch_timeout_s:g}")
+                self.output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_HANG, error=err))
+            # outside the lock (a rebuild may take a while); the abandoned slot is never dispatched to
+            self.runners[i] = self._new_runner(i, self._rebuild_worker() if self.spec.factory else r.worker)
+            for fv in batch.frames:
+                fv.release()  # the hung worker may never get to it
+            log.error("pool %s: batch of %d hung for %.1f s on worker %d: replaced the worker", self.name,
+                      len(batch.frames), now - since, i)
+        self.output.check_hung(now, self._batch_timeout_s)
+
+    # -- drops, abort, logs -------------------------------------------------------------------------
     def _drop(self, fv: FrameView, reason: DropReason) -> None:
         self.acct.drop(fv.meta.stream, reason)
         self._note_drop(fv.meta.stream, reason)
         fv.release()
 
     def _note_drop(self, stream: str, reason: DropReason) -> None:
-        with self._log_lock:
-            self._pending_log[(stream, reason.value)] += 1
+        """Ledger lock held (core and output threads both count here)."""
+        self._drops[(stream, reason.value)] += 1
 
-    # -- completion (called on worker threads) ------------------------------------------------
-    def _completed_batch(self, res: BatchResult) -> None:
-        with self._out_lock:
-            if res.batch_id < self._next_publish or res.batch_id in self._completed:
-                return  # already resolved (the watchdog declared it hung)
-            self._completed[res.batch_id] = res
-            while self._next_publish in self._completed:
-                self._finish(self._completed.pop(self._next_publish))
-                self._next_publish += 1
-        runner = self._runners[res.worker]
-        if res.fail_reason is not None and res.fail_reason is not FailReason.MODEL_HANG and self._factory:
-            runner.worker = self._rebuilt(res.worker)  # this runs on the runner's own thread: safe to swap
-        runner.idle = True
-        self.wake()
-
-    def _finish(self, res: BatchResult) -> None:
-        if res.fail_reason is not None:
-            for fv in res.frames:
-                self.acct.fail(fv.meta.stream, res.fail_reason)
-            log.error("pool %s: batch of %d failed (%s): %s: %s", self.name, len(res.frames),
-                      res.fail_reason.value, type(res.error).__name__, res.error)
-            self._record_failure(f"{res.fail_reason.value}: {res.error}")
-            return
-        if self._stage2 is not None:
-            t0 = self._clock()
-            try:
-                res.outputs = self._stage2(res.frames, res.outputs)
-            except Exception as err:
-                res.fail_reason, res.error = FailReason.MODEL_ERROR, err
-                self._finish(res)
-                return
-            res.elapsed += self._clock() - t0
-        self.batches += 1
-        self._timings.append((len(res.frames), res.elapsed))
-        if self._metrics:
-            for _ in res.frames:
-                self._metrics.observe(self.name, "inference", res.elapsed)
-        now = self._clock()
-        worker = self.workers[res.worker]
-        for fv, fields in zip(res.frames, res.outputs):
-            if fv.meta.live and now > fv.meta.deadline:
-                self.acct.drop(fv.meta.stream, DropReason.LATE)  # the model ran long: never publish late
-                self._note_drop(fv.meta.stream, DropReason.LATE)
-                continue
-            self._publisher.submit_result(self.acct, fv.meta, worker.kind, worker.weights_tag, fields)
-
-    # -- stream completion, abort, logs -------------------------------------------------------
-    def _check_done(self) -> None:
-        with self._lock:
-            rings = [r for s, r in self._rings.items() if s not in self._done]
-        for ring in rings:
-            stream = ring.stream
-            if ring.drained() and ring.held() == 0 and not self.scheduler.count(lambda fv: fv.meta.stream == stream):
-                with self._lock:
-                    self._done.add(stream)
-                self._on_done(self.name, stream)
-
-    def _apply_removals(self) -> None:
-        with self._lock:
-            removals, self._removals = self._removals, []
-        for stream, done in removals:
-            with self._lock:
-                ring = self._rings.pop(stream, None)
-            for fv in self.scheduler.remove(lambda fv: fv.meta.stream == stream):
-                self._drop(fv, DropReason.STREAM_REMOVED)
-            self.scheduler.forget(stream)
-            if ring is not None:
+    def abort(self, *, drop: Optional[DropReason] = None, fail: Optional[FailReason] = None) -> None:
+        """Every frame this pool holds ends now: the rings' and the scheduler's, the batches on the
+        workers (their threads are abandoned) and the output stage's. Results already at the
+        publisher are left to it."""
+        end = (lambda fv: self.acct.drop(fv.meta.stream, drop)) if drop else (lambda fv: self.acct.fail(fv.meta.stream, fail))
+        with self.acct.lock:
+            frames = self.scheduler.remove(lambda fv: True)
+            for ring in self.rings.values():
                 ring.close()
-                for fv in ring.take_ready():
-                    self._drop(fv, DropReason.STREAM_REMOVED)
-            with self._lock:
-                self._done.add(stream)
-            done.set()
-
-    def _abort_pending(self) -> None:
-        for fv in self.scheduler.remove(lambda fv: True):
-            self._drop(fv, DropReason.SHUTDOWN)
-        with self._lock:
-            rings = list(self._rings.values())
-        for ring in rings:
-            for fv in ring.take_ready():
-                self._drop(fv, DropReason.SHUTDOWN)
+                frames += ring.take_ready()
+            for r in self.runners:
+                if r.current is not None:
+                    frames += r.current.frames
+                    r.abandoned, r.current = True, None
+            for fv in frames:
+                end(fv)
+                fv.release()
+        self.output.abort(drop=drop, fail=fail)
 
     def _log_drops(self) -> None:
         now = time.monotonic()
-        if self._pending_log and now - self._last_log >= LOG_EVERY_S:
-            with self._log_lock:
-                counts, self._pending_log = self._pending_log, Counter()
-            by_stream: dict[str, list[str]] = {}
-            for (stream, reason), n in sorted(counts.items()):
-                by_stream.setdefault(stream, []).append(f"{n} {reason}")
-            for stream, parts in by_stream.items():
-                log.info("stream %s: pool %s dropped %s in %.0f s", stream, self.name, ", ".join(parts),
-                         now - self._last_log)
-            self._last_log = now
+        if not self._drops or now - self._last_log < LOG_EVERY_S:
+            return
+        with self.acct.lock:
+            counts, self._drops = self._drops, Counter()
+        by_stream: dict[str, list[str]] = {}
+        for (stream, reason), n in sorted(counts.items()):
+            by_stream.setdefault(stream, []).append(f"{n} {reason}")
+        for stream, parts in by_stream.items():
+            log.info("stream %s: pool %s dropped %s in %.0f s", stream, self.name, ", ".join(parts), now - self._last_log)
+        self._last_log = now

@@ -1,13 +1,19 @@
 """Per-stream frame rings: a fixed number of preallocated slots, sized from a memory budget.
 
 All slots are allocated when the first frame's size is known. The decoder thread copies each
-decoded frame into a free slot (PyAV allocates its own
-output array and has no `out=`, so this is the one copy a frame gets); the worker reads the
-slot in place and releases it once its input batch is built. Slots are pinned when CUDA is
-available (pinning raises without a driver) so the upload is a DMA.
+decoded frame into a free slot (PyAV allocates its own output array and has no `out=`, so this
+is the one copy a frame gets); the worker reads the slot in place and releases it once its input
+batch is built. Slots are pinned when CUDA is available (pinning raises without a driver) so the
+upload is a DMA.
 
 live mode: when no slot is free, the oldest frame not yet taken by the scheduler is
 overwritten and counted as dropped(ring_full). offline mode: the writer waits (back-pressure).
+
+The ring's condition variable is built on its pool's ledger lock (`Accounting.lock`): a frame
+becomes READY and is counted as ingested in one critical section, and the engine core takes
+READY frames into the scheduler in another, so the pool's in-flight count (the ring holds its
+READY frames) is exact at every moment. The pixel copy happens outside the lock, into a slot
+the writer has reserved (WRITING), which no reader looks at.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from .frame import DropReason, FrameMeta
 
 class SlotState(Enum):
     FREE = 0
-    READY = 1     # holds a frame the scheduler has not taken
-    CLAIMED = 2   # taken by the scheduler or a worker
+    WRITING = 1   # reserved by the writer while it copies pixels in (not a frame yet)
+    READY = 2     # holds a frame the scheduler has not taken (the ring holds it)
+    CLAIMED = 3   # taken by the scheduler or a worker (they hold the frame; the slot until released)
 
 
 @dataclass(slots=True)
@@ -52,6 +59,9 @@ class FrameView:
         return f"FrameView({self.meta.stream}#{self.meta.seq}, {tuple(self.pixels.shape)}, slot={self.slot})"
 
 
+_DROPPED = -1
+
+
 def slots_for(frame_bytes: int, memory_bytes: float, min_slots: int, max_slots: int) -> int:
     """Slots that fit the budget, clamped to [min_slots, max_slots]."""
     return int(min(max_slots, max(min_slots, memory_bytes // max(frame_bytes, 1))))
@@ -71,7 +81,7 @@ class FrameRing:
         self._max_pixels = max_frame_pixels
         self._notify = notify
         self._pin = torch.cuda.is_available() if pin is None else pin
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(accounting.lock)
         self._slots: list[Optional[torch.Tensor]] = []
         self._arrays: list[Optional[np.ndarray]] = []
         self._state: list[SlotState] = []
@@ -125,10 +135,9 @@ class FrameRing:
         return None
 
     def write(self, meta: FrameMeta, rgb: np.ndarray, stop: Optional[threading.Event] = None) -> bool:
-        """Copy one (H, W, 3) uint8 frame into a slot. Returns False if the ring was closed.
-
-        Counts the frame as ingested. Live: never blocks. Offline: waits for a free slot.
-        """
+        """Copy one (H, W, 3) uint8 frame into a slot. Returns False if the ring was closed (the frame
+        was then never ingested). Counts the frame as ingested. Live: never blocks. Offline: waits
+        for a free slot."""
         h, w = int(rgb.shape[0]), int(rgb.shape[1])
         if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
             raise SourceError(self.stream, f"decoder produced {rgb.dtype} {tuple(rgb.shape)}, expected HxWx3 uint8")
@@ -136,71 +145,92 @@ class FrameRing:
             raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
                                            "raise it if this stream is really that large")
         with self._cond:
-            if not self._state:
-                self._allocate(h, w)
-            elif (h, w) != self._shape:
-                self._resize(h, w)
-            i = self._free_slot()
-            while i is None and not self._closed:
-                if self.live:
-                    usable = [j for j in self._ready_order if j < self._limit]
-                    if usable:  # drop-oldest: the frame the scheduler has not taken yet
-                        i = usable[0]
-                        self._ready_order.remove(i)
-                        old = self._meta[i]
-                        self.overwrites += 1
-                        self._acct.ingest(self.stream)  # count the new frame before the old one's drop,
-                        self._acct.drop(old.stream, DropReason.RING_FULL)  # so in_flight never dips
-                        self._fill(i, meta, rgb, h, w)
-                        return True
-                    # every slot is held by the scheduler/worker: the new frame is the one dropped
+            i = self._reserve(h, w, stop)
+            if i is None:  # closed, or stopped while waiting for a slot: not ingested
+                return False
+            if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
+                return True
+            arr = self._slot_array(i, h, w)
+        np.copyto(arr, rgb)  # outside the lock: the slot is WRITING, nobody else reads it
+        with self._cond:
+            if self._closed:  # closed while copying: the frame never entered the pipeline
+                self._state[i] = SlotState.FREE
+                self._cond.notify_all()
+                return False
+            self._acct.ingest(self.stream)
+            meta.height, meta.width = h, w
+            meta.t_decoded = time.monotonic()
+            self._meta[i] = meta
+            self._state[i] = SlotState.READY
+            self._ready_order.append(i)
+        self._notify()
+        return True
+
+    def _reserve(self, h: int, w: int, stop: Optional[threading.Event]) -> Optional[int]:
+        """A slot marked WRITING for the next frame (lock held). None: closed or stopped. _DROPPED: live
+        and every slot is claimed; the new frame was counted as ingested and dropped(ring_full)."""
+        if not self._state:
+            self._allocate(h, w)
+        elif (h, w) != self._shape:
+            self._resize(h, w)
+        i = self._free_slot()
+        while i is None and not self._closed:
+            if self.live:
+                usable = [j for j in self._ready_order if j < self._limit]
+                if not usable:  # every slot is held by the scheduler/workers: the new frame is the one dropped
                     self._acct.ingest(self.stream)
                     self._acct.drop(self.stream, DropReason.RING_FULL)
                     self.overwrites += 1
-                    return True
-                self._cond.wait(0.1)
-                if stop is not None and stop.is_set():
-                    return False
-                i = self._free_slot()
-            if self._closed:
-                return False
-            self._acct.ingest(self.stream)
-            self._fill(i, meta, rgb, h, w)
-            return True
-
-    def _fill(self, i: int, meta: FrameMeta, rgb: np.ndarray, h: int, w: int) -> None:
-        # Copy under the lock: a 720p frame is ~0.3 ms and the consumer only takes READY slots.
-        np.copyto(self._slot_array(i, h, w), rgb)
-        meta.height, meta.width = h, w
-        meta.t_decoded = time.monotonic()
-        self._meta[i] = meta
-        self._state[i] = SlotState.READY
-        self._ready_order.append(i)
-        self._notify()
+                    return _DROPPED
+                i = usable[0]  # drop-oldest: the frame the scheduler has not taken yet
+                self._ready_order.remove(i)
+                self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
+                self._meta[i] = None
+                self.overwrites += 1
+                break
+            self._cond.wait(0.1)
+            if stop is not None and stop.is_set():
+                return None
+            i = self._free_slot()
+        if self._closed:
+            return None
+        self._state[i] = SlotState.WRITING
+        return i
 
     def close(self) -> None:
-        """No more frames will come (end of stream or stop). Wakes a waiting writer."""
+        """No more frames will come (end of stream or stop). Wakes a waiting writer. Free slots give
+        their memory back now, the others as they are released."""
         with self._cond:
             self._closed = True
+            for i, state in enumerate(self._state):
+                if state is SlotState.FREE:
+                    self._slots[i] = self._arrays[i] = None
             self._cond.notify_all()
         self._notify()
 
     # -- consumer side -------------------------------------------------------------------
-    def take_ready(self) -> list[FrameView]:
-        """Claim every READY frame, oldest first."""
+    def take_ready(self, limit: Optional[int] = None) -> list[FrameView]:
+        """Claim READY frames, oldest first (at most `limit`). The caller holds them from now on: call
+        with the pool's ledger lock held and put them in their next holder before releasing it."""
         with self._cond:
+            take = self._ready_order if limit is None else self._ready_order[:max(0, limit)]
             out = []
-            for i in self._ready_order:
+            for i in take:
                 self._state[i] = SlotState.CLAIMED
                 out.append(FrameView(self._meta[i], self._slots[i], self, i))
-            self._ready_order.clear()
+            del self._ready_order[:len(out)]
             return out
+
+    def ready(self) -> int:
+        """Frames the ring holds (READY): its part of the pool's in-flight count."""
+        with self._cond:
+            return len(self._ready_order)
 
     def release(self, slot: int) -> None:
         with self._cond:
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
-            if slot >= self._limit:  # past the limit after a size change: give the memory back
+            if slot >= self._limit or self._closed:  # past the limit after a size change, or no more frames
                 self._slots[slot] = self._arrays[slot] = None
             self._cond.notify_all()
 
@@ -213,10 +243,11 @@ class FrameRing:
         return len(self._state)
 
     def drained(self) -> bool:
-        """Closed and nothing left to take."""
+        """Closed and nothing left to take (frames still copying in are not frames yet: see write)."""
         with self._cond:
             return self._closed and not self._ready_order
 
     def held(self) -> int:
+        """Slots not free (READY, CLAIMED or being written)."""
         with self._cond:
             return sum(s is not SlotState.FREE for s in self._state)

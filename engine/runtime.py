@@ -3,7 +3,9 @@
 It never decodes and never runs a model: the engine's threads do. It starts the engine,
 prints a status line per stream every `status.interval_s` (a progress bar for finite
 streams), stops on SIGINT/SIGTERM, and exits when every finite stream has published its eos.
-Exit codes: 0 all streams ended well (or stopped by a signal), 1 a stream failed, 3 engine dead.
+Exit codes: 0 all streams ended well (or stopped by a signal), 1 a stream failed, 2 bad configuration
+found while starting (unknown model, missing or mismatched weights, busy port, no GPU for device
+cuda, missing CURVE key), 3 engine dead at run time.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from typing import Optional, TextIO
 
 from .engine import Engine
-from .errors import VidarError
+from .errors import ConfigError, VidarError, WeightsError
 
 log = logging.getLogger("vidar")
 
@@ -29,33 +31,36 @@ class StatusPrinter:
 
     def __init__(self, engine: Engine, out: TextIO = sys.stdout):
         self.engine, self.out = engine, out
-        self._last: dict[str, tuple[float, int, int]] = {}
+        self._last: dict[tuple[str, str], tuple[float, int, int]] = {}  # (pool, stream): one stream feeds several pools
         self.lines()  # baseline snapshot: the first printed rates cover the first interval
 
     def lines(self) -> list[str]:
         now = time.monotonic()
         out = []
-        for pool in self.engine.pools.values():
-            for sid, st in [(s, self.engine.streams[s]) for s in self.engine.live_streams()]:
-                s = pool.acct.snapshot(sid)
-                t0, ing0, done0 = self._last.get(sid, (now, s.ingested, s.published))
-                dt = max(now - t0, 1e-9)
-                fin, fout = (s.ingested - ing0) / dt, (s.published - done0) / dt
-                self._last[sid] = (now, s.ingested, s.published)
-                state = st.runner.state if st.runner else ("failed" if st.failed else "?")
-                drops = ", ".join(f"{k} {v}" for k, v in sorted(s.dropped.items())) or "none"
-                fails = ", ".join(f"{k} {v}" for k, v in sorted(s.failed.items())) or "0"
-                lat = "-" if math.isnan(s.p50_ms) else f"p50 {s.p50_ms:.0f} ms  p99 {s.p99_ms:.0f} ms"
-                total = st.runner.total_frames if st.runner else None
-                if st.cfg.mode == "offline" and total:
-                    done = s.published + sum(s.dropped.values()) + sum(s.failed.values())
-                    filled = int(20 * min(done, total) / total)
-                    out.append(f"[{pool.name}] {sid:<10} [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} frames  "
-                               f"{fout:5.1f} fps  {lat}  failed {fails}")
-                else:
-                    out.append(f"[{pool.name}] {sid:<10} {state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps  {lat}  "
-                               f"in-flight {s.in_flight}  dropped: {drops}  failed: {fails}")
+        entries = [e for e in self.engine.streams.values() if e.state != "removing"]
+        for name, pool in self.engine.pools.items():
+            for entry in [e for e in entries if name in e.pools]:
+                out.append(self._line(name, pool, entry, now))
         return out
+
+    def _line(self, name: str, pool, entry, now: float) -> str:
+        sid = entry.id
+        s = pool.acct.snapshot(sid)
+        t0, ing0, done0 = self._last.get((name, sid), (now, s.ingested, s.published))
+        dt = max(now - t0, 1e-9)
+        fin, fout = (s.ingested - ing0) / dt, (s.published - done0) / dt
+        self._last[(name, sid)] = (now, s.ingested, s.published)
+        drops = ", ".join(f"{k} {v}" for k, v in sorted(s.dropped.items())) or "none"
+        fails = ", ".join(f"{k} {v}" for k, v in sorted(s.failed.items())) or "0"
+        lat = "-" if math.isnan(s.p50_ms) else f"p50 {s.p50_ms:.0f} ms  p99 {s.p99_ms:.0f} ms"
+        total = entry.runner.total_frames if entry.runner else None
+        if entry.cfg.mode == "offline" and total:
+            done = s.published + sum(s.dropped.values()) + sum(s.failed.values())
+            filled = int(20 * min(done, total) / total)
+            return (f"[{name}] {sid:<10} [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} frames  "
+                    f"{fout:5.1f} fps  {lat}  failed {fails}")
+        return (f"[{name}] {sid:<10} {entry.display_state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps  {lat}  "
+                f"in-flight {s.in_flight}  dropped: {drops}  failed: {fails}")
 
     def print(self) -> None:
         for line in self.lines():
@@ -68,16 +73,17 @@ async def _main(engine: Engine) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await loop.run_in_executor(None, engine.start)
+        await loop.run_in_executor(None, engine.start)  # stops what it started if it fails
+    except (ConfigError, WeightsError) as err:  # found while starting: one line, naming the key
+        print(f"vidar: {err}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
     except VidarError as err:
         log.error("%s", err)
-        await loop.run_in_executor(None, lambda: engine.stop(drain=False))
         return EXIT_DEAD
     control = None
-    if engine.cfg.control.enabled:
+    if engine.control_socket is not None:
         from .control import serve
-        control = asyncio.create_task(serve(engine, engine.cfg.control.endpoint,
-                                            engine.cfg.control.max_message_bytes, stop))
+        control = asyncio.create_task(serve(engine, engine.control_socket, stop))
     status = StatusPrinter(engine)
     interval = engine.cfg.status.interval_s
     next_status = time.monotonic() + interval
@@ -102,9 +108,9 @@ async def _main(engine: Engine) -> int:
     if control is not None:
         try:
             await asyncio.wait_for(control, timeout=2)
-        except (asyncio.TimeoutError, Exception) as err:  # a bind error surfaces here
+        except (asyncio.TimeoutError, Exception) as err:
             if not isinstance(err, asyncio.TimeoutError):
-                log.error("control socket: %s", err)
+                log.error("control socket: %s: %s", type(err).__name__, err)
     await loop.run_in_executor(None, lambda: engine.stop(drain=code == EXIT_OK))
     status.print()
     if code == EXIT_OK and engine.any_failed():

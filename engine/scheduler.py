@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -93,6 +94,10 @@ class EdfScheduler:
 
     def count(self, predicate) -> int:
         return sum(1 for e in self._pending if predicate(e.item))
+
+    def count_by_key(self) -> Counter:
+        """Pending items per key (stream): the scheduler's part of a pool's in-flight count."""
+        return Counter(e.key for e in self._pending)
 
     def update(self, batch_size: int, seconds: float) -> None:
         self.latency.observe(batch_size, seconds)

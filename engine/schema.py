@@ -1,8 +1,8 @@
 """Message schema (version `SCHEMA_VERSION`), shared by the publisher and the client.
 
 Every message is a two-frame ZeroMQ multipart: [topic, msgpack map].
-  results: topic `<type>.<stream>` (e.g. `vit.cam1`), map with v, type, stream, seq, pts,
-           t_capture, t_publish, latency_ms, weights and the model's fields (vit: topk, embedding)
+  results: topic `<type>.<stream>` (e.g. `classify.cam1`), map with v, type, stream, seq, pts,
+           t_capture, t_publish, latency_ms, weights and the model's fields (classify: topk, embedding)
   events:  topic `event.<stream>`, map with v, type="event", stream, kind, reason, t
 The schema may grow (new keys); a change of meaning bumps `v`.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected")
 
 

@@ -31,7 +31,7 @@ def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
     lines = out.splitlines()
     assert sub.returncode == 0 and len(lines) == 31, err
     assert lines[0].startswith("event.clip started")
-    assert lines[1].startswith("vit.clip seq=") and "[random weights]" in lines[1]
+    assert lines[1].startswith("classify.clip seq=") and "[random weights]" in lines[1]
 
 
 def test_config_typo_exits_2_and_names_the_key(tmp_path):
@@ -39,7 +39,7 @@ def test_config_typo_exits_2_and_names_the_key(tmp_path):
     path.write_text("streams:\n  - id: cam1\n    url: synthetic://shapes\n    moed: live\n")
     run = subprocess.run(VIDAR + ["run", str(path)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "streams.0.moed: unknown key; allowed here: id, loop, mode, url" in run.stderr
+    assert "streams.0.moed: unknown key; allowed here: id, loop, mode, pools, url" in run.stderr
 
 
 def test_demo_runs_until_ctrl_c_and_prints_status():
@@ -54,7 +54,7 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
         line = p.stdout.readline()
         if not line:
             break
-        if line.startswith("[vit] demo"):
+        if line.startswith("[classify] demo"):
             status.append(line)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)

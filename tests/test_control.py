@@ -17,33 +17,39 @@ from tests.test_e2e import Collector
 
 
 class ControlServer:
-    """The asyncio control plane's socket task, on a thread for the test."""
+    """The asyncio control plane's socket task (the engine bound the socket at start), on a thread."""
 
-    def __init__(self, engine, endpoint):
+    def __init__(self, engine):
         self.loop = asyncio.new_event_loop()
         self.stop = None
-        self.t = threading.Thread(target=self._run, args=(engine, endpoint), daemon=True)
+        self.t = threading.Thread(target=self._run, args=(engine,), daemon=True)
         self.t.start()
         time.sleep(0.2)
 
-    def _run(self, engine, endpoint):
+    def _run(self, engine):
         asyncio.set_event_loop(self.loop)
         self.stop = asyncio.Event()
-        self.loop.run_until_complete(serve(engine, endpoint, 65536, self.stop))
+        self.loop.run_until_complete(serve(engine, engine.control_socket, self.stop))
 
     def close(self):
         self.loop.call_soon_threadsafe(self.stop.set)
         self.t.join(5)
 
 
+def with_control(cfg):
+    """The config with the control socket on a free port."""
+    ctl = f"tcp://127.0.0.1:{free_port()}"
+    cfg.control.enabled, cfg.control.endpoint = True, ctl
+    return cfg, ctl
+
+
 @pytest.fixture
 def running(endpoint):
-    cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
-                        budget={"latency_ms": 500})
-    eng = Engine(cfg, workers={"vit": NullWorker()})
+    cfg, ctl = with_control(engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
+                                          budget={"latency_ms": 500}))
+    eng = Engine(cfg, workers={"classify": NullWorker()})
     eng.start()
-    ctl = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(eng, ctl)
+    server = ControlServer(eng)
     yield eng, ctl
     server.close()
     eng.stop()
@@ -58,13 +64,13 @@ def running(endpoint):
     ({"op": "add_stream", "stream": {"id": "x"}}, "add_stream: stream.url: Field required"),
     ({"op": "add_stream", "stream": {"id": "cam1", "url": "synthetic://shapes"}}, "'cam1' is already running"),
     ({"op": "add_stream", "stream": {"id": "c", "url": "x", "color": 1}}, "stream.color: Extra inputs"),
-    ({"op": "add_object", "stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}, "objects need the SAM 2 pool"),
+    ({"op": "add_object", "stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}, "add_object needs the sam2 pool: configure models.sam2"),
 ])
 def test_bad_requests_get_an_error_reply(running, req, error):
     eng, ctl = running
     reply = request(ctl, req)
     assert reply["ok"] is False and __import__("re").search(error, reply["error"]), reply
-    assert eng.state == "running" and eng.pools["vit"].acct.snapshot("cam1").published > 0
+    assert eng.state == "running" and eng.pools["classify"].acct.snapshot("cam1").published > 0
 
 
 def test_malformed_and_oversized_messages(running):
@@ -95,11 +101,11 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
     reply = request(ctl, {"op": "add_stream", "stream": {"id": "cam2", "url": "synthetic://shapes?size=64x64&fps=30"}})
     assert reply == {"ok": True, "stream": "cam2"}
     t_end = time.monotonic() + 10
-    while eng.pools["vit"].acct.snapshot("cam2").published < 10 and time.monotonic() < t_end:
+    while eng.pools["classify"].acct.snapshot("cam2").published < 10 and time.monotonic() < t_end:
         time.sleep(0.05)
     listed = request(ctl, {"op": "list"})["streams"]
     assert set(listed) == {"cam1", "cam2"} and listed["cam2"]["state"] == "running"
-    cam1_before = eng.pools["vit"].acct.snapshot("cam1").published
+    cam1_before = eng.pools["classify"].acct.snapshot("cam1").published
     t0 = time.monotonic()
     assert request(ctl, {"op": "remove_stream", "stream": "cam2"}) == {"ok": True}
     assert time.monotonic() - t0 < 1.0
@@ -111,10 +117,10 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
     time.sleep(0.5)  # ZeroMQ closes request sockets on its I/O thread
     assert len(os.listdir("/proc/self/fd")) <= fds_before  # the stream's sockets and files are released
     col.sub.close()
-    s2 = eng.pools["vit"].acct.snapshot("cam2")
+    s2 = eng.pools["classify"].acct.snapshot("cam2")
     assert s2.in_flight == 0 and s2.balanced()
     time.sleep(0.3)
-    assert eng.pools["vit"].acct.snapshot("cam1").published > cam1_before  # cam1 never stopped
+    assert eng.pools["classify"].acct.snapshot("cam1").published > cam1_before  # cam1 never stopped
     assert set(request(ctl, {"op": "list"})["streams"]) == {"cam1"}
 
 
@@ -123,12 +129,12 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
     ckpt = make_checkpoint(tmp_path / "c.pt")
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
                         budget={"latency_ms": 2000},
-                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                        models={"classify": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
                                                       "max_batch": 1}})
+    cfg, ctl = with_control(cfg)
     eng = Engine(cfg)
     eng.start()
-    ctl = f"tcp://127.0.0.1:{free_port()}"
-    server = ControlServer(eng, ctl)
+    server = ControlServer(eng)
     try:
         col = Collector(endpoint, ["cam1"])
         col.sub._sock.setsockopt(zmq.SUBSCRIBE, b"sam2.")

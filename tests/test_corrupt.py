@@ -19,15 +19,15 @@ def run_with_healthy_neighbour(tmp_path, endpoint, bad_url, **extra):
                {"id": "bad", "url": str(bad_url), "mode": "offline"}]
     cfg = engine_config(streams, endpoint, publish={"min_subscribers": 1}, **extra)
     col = Collector(endpoint, ["good", "bad"])
-    eng, finished = run_engine(cfg, workers={"vit": NullWorker()}, timeout=60)
+    eng, finished = run_engine(cfg, workers={"classify": NullWorker()}, timeout=60)
     msgs = col.wait(10)
     assert finished, "the engine must finish: no hang"
-    good = sorted(m["seq"] for m in msgs if m["type"] == "vit" and m["stream"] == "good")
+    good = sorted(m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == "good")
     assert good == list(range(30))
     bad_events = [m for m in msgs if m["type"] == "event" and m["stream"] == "bad"]
-    s = eng.pools["vit"].acct.snapshot("bad")
+    s = eng.pools["classify"].acct.snapshot("bad")
     assert s.balanced() and s.in_flight == 0
-    return eng, bad_events, [m for m in msgs if m["type"] == "vit" and m["stream"] == "bad"]
+    return eng, bad_events, [m for m in msgs if m["type"] == "classify" and m["stream"] == "bad"]
 
 
 def test_truncated_file(tmp_path, endpoint):
@@ -70,7 +70,7 @@ def test_resolution_change_mid_stream(tmp_path, endpoint):
     eng, events, results = run_with_healthy_neighbour(tmp_path, endpoint, both)
     assert sorted(r["seq"] for r in results) == list(range(40))
     assert events[-1]["reason"] == "end of stream"
-    ring = eng.streams["bad"].ring
+    ring = eng.streams["bad"].rings["classify"]
     assert ring.reallocations >= 1
 
 

@@ -20,7 +20,7 @@ class Collector:
     """Subscribes before the engine starts and keeps every message until a stream's eos."""
 
     def __init__(self, endpoint, streams):
-        self.sub = Subscriber(endpoint, ["vit.", "event."])
+        self.sub = Subscriber(endpoint, ["classify.", "event."])
         self.msgs, self.streams = [], set(streams)
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
@@ -61,13 +61,13 @@ def test_offline_file_every_frame_once_then_eos(tmp_path, endpoint):
     eng, finished = run_engine(cfg)
     msgs = col.wait()
     assert finished
-    results = [m for m in msgs if m["type"] == "vit"]
+    results = [m for m in msgs if m["type"] == "classify"]
     events = [m for m in msgs if m["type"] == "event"]
     assert sorted(m["seq"] for m in results) == list(range(n))
     assert [e["kind"] for e in events] == ["started", "eos"] and events[-1]["reason"] == "end of stream"
     assert msgs[-1]["kind"] == "eos"  # after the last result
     assert all(m["weights"] == "random" and len(m["topk"]) == 5 for m in results)
-    s = eng.pools["vit"].acct.snapshot("f1")
+    s = eng.pools["classify"].acct.snapshot("f1")
     assert (s.ingested, s.published, s.dropped, s.failed, s.in_flight) == (n, n, {}, {}, 0)
 
 
@@ -79,8 +79,8 @@ def test_engine_outputs_equal_timm_end_to_end(clip48, endpoint):
     cfg = engine_config([{"id": "f", "url": str(clip48), "mode": "offline"}], endpoint,
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["f"])
-    run_engine(cfg, workers={"vit": worker})
-    results = {m["seq"]: m for m in col.wait() if m["type"] == "vit"}
+    run_engine(cfg, workers={"classify": worker})
+    results = {m["seq"]: m for m in col.wait() if m["type"] == "classify"}
     frames = decode_all(clip48)
     assert len(results) == len(frames)
     probs = timm_reference(model, frames).softmax(-1)
@@ -96,22 +96,22 @@ def test_live_slow_worker_never_publishes_late_and_accounts_every_frame(endpoint
     slow = NullWorker(per_frame_s=0.06)
     cfg = engine_config([{"id": "live1", "url": "synthetic://shapes?size=160x120&fps=30&frames=90", "mode": "live"}],
                         endpoint, budget={"latency_ms": budget_ms}, publish={"min_subscribers": 1},
-                        models={"vit": {"max_batch": 2}})
+                        models={"classify": {"max_batch": 2}})
     col = Collector(endpoint, ["live1"])
-    eng = Engine(cfg, workers={"vit": slow})
+    eng = Engine(cfg, workers={"classify": slow})
     eng.start()
     balanced_always = True
     while not eng.finished():
-        s = eng.pools["vit"].acct.snapshot("live1")
+        s = eng.pools["classify"].acct.snapshot("live1")
         balanced_always &= s.balanced() and s.in_flight >= 0
         time.sleep(0.01)
     eng.stop()
     msgs = col.wait()
-    results = [m for m in msgs if m["type"] == "vit"]
+    results = [m for m in msgs if m["type"] == "classify"]
     assert results, "some frames must get through"
     # deadline is checked right before sending; t_publish is stamped microseconds later
     assert max(m["latency_ms"] for m in results) <= budget_ms + 1.0
-    s = eng.pools["vit"].acct.snapshot("live1")
+    s = eng.pools["classify"].acct.snapshot("live1")
     assert balanced_always
     assert s.ingested == 90 == s.published + sum(s.dropped.values()) + sum(s.failed.values()) + s.in_flight
     assert s.in_flight == 0 and s.published == len(results)
@@ -127,10 +127,10 @@ def test_bad_streams_do_not_stop_good_ones(tmp_path, endpoint):
                {"id": "badsyn", "url": "synthetic://nope", "mode": "offline"}]
     cfg = engine_config(streams, endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["good", "missing", "text", "badsyn"])
-    eng, finished = run_engine(cfg, workers={"vit": NullWorker()})
+    eng, finished = run_engine(cfg, workers={"classify": NullWorker()})
     msgs = col.wait()
     assert finished and eng.any_failed()
-    assert sorted(m["seq"] for m in msgs if m["type"] == "vit" and m["stream"] == "good") == list(range(20))
+    assert sorted(m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == "good") == list(range(20))
     for sid, text in [("missing", "not found"), ("text", "not a video"), ("badsyn", "unknown synthetic pattern")]:
         ev = [m for m in msgs if m["type"] == "event" and m["stream"] == sid]
         assert [e["kind"] for e in ev] == ["error", "eos"], sid
@@ -140,9 +140,9 @@ def test_bad_streams_do_not_stop_good_ones(tmp_path, endpoint):
 def test_model_error_fails_the_batch_and_counts_it(endpoint):
     worker = NullWorker(fail_on_batch=2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=96x64&fps=30&frames=12", "mode": "offline"}],
-                        endpoint, models={"vit": {"max_batch": 2}})
-    eng, finished = run_engine(cfg, workers={"vit": worker})
-    s = eng.pools["vit"].acct.snapshot("s")
+                        endpoint, models={"classify": {"max_batch": 2}})
+    eng, finished = run_engine(cfg, workers={"classify": worker})
+    s = eng.pools["classify"].acct.snapshot("s")
     assert finished
     assert s.failed == {"model_error": len(worker.batch_sizes) and worker.batch_sizes[1]}
     assert s.published + s.failed["model_error"] == 12 and s.in_flight == 0
@@ -152,10 +152,10 @@ def test_stop_drains_and_sends_one_eos_per_stream(endpoint):
     cfg = engine_config([{"id": f"c{i}", "url": "synthetic://shapes?size=96x64&fps=30"} for i in range(3)],
                         endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["c0", "c1", "c2"])
-    eng = Engine(cfg, workers={"vit": NullWorker(per_frame_s=0.005)})
+    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.005)})
     eng.start()
     t_end = time.monotonic() + 20
-    while time.monotonic() < t_end and min(eng.pools["vit"].acct.snapshot(f"c{i}").published for i in range(3)) <= 10:
+    while time.monotonic() < t_end and min(eng.pools["classify"].acct.snapshot(f"c{i}").published for i in range(3)) <= 10:
         time.sleep(0.05)
     t0 = time.monotonic()
     eng.stop()
@@ -164,9 +164,9 @@ def test_stop_drains_and_sends_one_eos_per_stream(endpoint):
     eos = [m["stream"] for m in msgs if m["type"] == "event" and m["kind"] == "eos"]
     assert sorted(eos) == ["c0", "c1", "c2"]
     for sid in ("c0", "c1", "c2"):
-        s = eng.pools["vit"].acct.snapshot(sid)
+        s = eng.pools["classify"].acct.snapshot(sid)
         assert s.in_flight == 0 and s.published > 10
-        last_result = max(i for i, m in enumerate(msgs) if m["type"] == "vit" and m["stream"] == sid)
+        last_result = max(i for i, m in enumerate(msgs) if m["type"] == "classify" and m["stream"] == sid)
         assert last_result < next(i for i, m in enumerate(msgs) if m.get("kind") == "eos" and m["stream"] == sid)
     assert not [t for t in threading.enumerate() if t.name.startswith(("source-", "pool-", "publisher"))]
 
@@ -182,11 +182,11 @@ def test_two_workers_publish_each_stream_in_order(endpoint):
 
     cfg = engine_config([{"id": "a", "url": "synthetic://shapes?size=96x64&fps=30&frames=60", "mode": "offline"},
                          {"id": "b", "url": "synthetic://shapes?size=64x64&fps=30&frames=60", "mode": "offline"}],
-                        endpoint, publish={"min_subscribers": 1}, models={"vit": {"max_batch": 3, "workers": 2}})
+                        endpoint, publish={"min_subscribers": 1}, models={"classify": {"max_batch": 3, "workers": 2}})
     col = Collector(endpoint, ["a", "b"])
     workers = [Jittery(), Jittery()]
-    _, finished = run_engine(cfg, workers={"vit": workers})
+    _, finished = run_engine(cfg, workers={"classify": workers})
     msgs = col.wait()
     assert finished and all(w.batches > 0 for w in workers)
     for sid in ("a", "b"):
-        assert [m["seq"] for m in msgs if m["type"] == "vit" and m["stream"] == sid] == list(range(60))
+        assert [m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == sid] == list(range(60))

@@ -27,12 +27,12 @@ def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
         return built[-1]
     first = NullWorker(fail_on_batch=3)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=40", "mode": "offline"}],
-                        endpoint, models={"vit": {"max_batch": 2}})
-    eng = Engine(cfg, workers={"vit": [first]}, worker_factories={"vit": factory})
+                        endpoint, models={"classify": {"max_batch": 2}})
+    eng = Engine(cfg, workers={"classify": [first]}, worker_factories={"classify": factory})
     eng.start()
     assert wait(eng.finished)
     eng.stop()
-    s = eng.pools["vit"].acct.snapshot("s")
+    s = eng.pools["classify"].acct.snapshot("s")
     assert s.failed == {"model_error": first.batch_sizes[2]} and s.published == 40 - first.batch_sizes[2]
     assert len(built) == 1 and built[0].batches > 0 and first.batches == 3  # the broken one ran no more
     assert eng.check_dead() is None  # one failure is not K
@@ -41,15 +41,15 @@ def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
 def test_hung_batch_is_caught_by_the_watchdog(endpoint):
     hung = NullWorker(hang_on_batch=2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=30", "mode": "offline"}],
-                        endpoint, models={"vit": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
-    eng = Engine(cfg, workers={"vit": [hung]}, worker_factories={"vit": NullWorker})
+                        endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
+    eng = Engine(cfg, workers={"classify": [hung]}, worker_factories={"classify": NullWorker})
     eng.start()
     assert wait(eng.finished)
     eng.stop()
     hung.release_hang.set()
-    s = eng.pools["vit"].acct.snapshot("s")
+    s = eng.pools["classify"].acct.snapshot("s")
     assert s.failed == {"model_hang": hung.batch_sizes[1]} and s.published + s.failed["model_hang"] == 30
-    assert eng.pools["vit"].rebuilds == 1 and s.in_flight == 0
+    assert eng.pools["classify"].rebuilds == 1 and s.in_flight == 0
 
 
 def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):
@@ -61,7 +61,7 @@ def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):
         def infer(self, inputs):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
     col = Collector(endpoint, ["s0", "s1"])
-    eng = Engine(cfg, workers={"vit": [Broken()]}, worker_factories={"vit": Broken})
+    eng = Engine(cfg, workers={"classify": [Broken()]}, worker_factories={"classify": Broken})
     t0 = time.monotonic()
     assert run(eng) == EXIT_DEAD
     assert time.monotonic() - t0 < 10
@@ -76,7 +76,7 @@ def test_failed_start_exits_3_and_releases_everything(endpoint):
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
                         publish={"min_subscribers": 1, "wait_subscribers_s": 0.5}, control={"enabled": False})
     before = set(threading.enumerate())
-    eng = Engine(cfg, workers={"vit": [NullWorker()]})
+    eng = Engine(cfg, workers={"classify": [NullWorker()]})
     assert run(eng) == EXIT_DEAD
     assert eng.state == "stopped"
     left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("source-", "pool-", "publisher"))]

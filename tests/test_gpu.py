@@ -24,7 +24,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_ring_slots_are_pinned_with_cuda():
-    r = FrameRing("g", live=True, accounting=Accounting("vit"), memory_bytes=2**20, min_slots=2, max_slots=4,
+    r = FrameRing("g", live=True, accounting=Accounting("classify"), memory_bytes=2**20, min_slots=2, max_slots=4,
                   max_frame_pixels=10**8)
     r.write(FrameMeta("g", 0, 0.0, time.time(), deadline=math.inf), np.zeros((32, 32, 3), np.uint8))
     (fv,) = r.take_ready()

@@ -54,7 +54,7 @@ cfg, _ = build_config({"streams": [{"id": "a", "url": "synthetic://shapes?size=6
                                     "mode": "offline"}],
                        "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False},
                        "control": {"enabled": False}, "malloc_arenas": int(sys.argv[1])}, cuda_available=True)
-eng = Engine(cfg, workers={"vit": NullWorker()})
+eng = Engine(cfg, workers={"classify": NullWorker()})
 eng.start()
 """ + THREADS + """
 n = arena_count()

@@ -22,20 +22,20 @@ def test_metrics_endpoint_matches_accounting(endpoint):
     port = free_port()
     cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=30", "mode": "offline"}],
                         endpoint, metrics={"enabled": True, "port": port})
-    eng = Engine(cfg, workers={"vit": NullWorker(per_frame_s=0.002)})
+    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.002)})
     eng.start()
     t_end = time.monotonic() + 30
     while not eng.finished() and time.monotonic() < t_end:
         time.sleep(0.05)
     m = scrape(port)
-    s = eng.pools["vit"].acct.snapshot("m1")
+    s = eng.pools["classify"].acct.snapshot("m1")
     lines = StatusPrinter(eng).lines()
     eng.stop()
-    assert m['vidar_frames_ingested_total{pool="vit",stream="m1"}'] == s.ingested == 30
-    assert m['vidar_frames_published_total{pool="vit",stream="m1"}'] == s.published == 30
-    assert m['vidar_frames_in_flight{pool="vit",stream="m1"}'] == 0
+    assert m['vidar_frames_ingested_total{pool="classify",stream="m1"}'] == s.ingested == 30
+    assert m['vidar_frames_published_total{pool="classify",stream="m1"}'] == s.published == 30
+    assert m['vidar_frames_in_flight{pool="classify",stream="m1"}'] == 0
     for stage in ("decode", "queue_wait", "batch_wait", "inference"):
-        assert m[f'vidar_stage_seconds_count{{pool="vit",stage="{stage}"}}'] == 30
+        assert m[f'vidar_stage_seconds_count{{pool="classify",stage="{stage}"}}'] == 30
     assert m['vidar_stage_seconds_count{pool="all",stage="publish"}'] == 30
     assert "30/30 frames" in lines[0]
     if sys.platform.startswith("linux"):  # prometheus_client's process collector reads /proc
@@ -51,7 +51,7 @@ def test_malloc_gauges_follow_the_heap(endpoint):
     port = free_port()
     cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=3", "mode": "offline"}],
                         endpoint, metrics={"enabled": True, "port": port})
-    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng = Engine(cfg, workers={"classify": NullWorker()})
     eng.start()
     try:
         before = scrape(port)

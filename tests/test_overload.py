@@ -17,10 +17,10 @@ from tests.conftest import engine_config
 def test_twice_the_capacity_for_60_s(endpoint):
     budget_ms = 200
     streams = [{"id": f"s{i}", "url": "synthetic://shapes?size=160x120&fps=30"} for i in range(4)]
-    cfg = engine_config(streams, endpoint, budget={"latency_ms": budget_ms}, models={"vit": {"max_batch": 4}},
+    cfg = engine_config(streams, endpoint, budget={"latency_ms": budget_ms}, models={"classify": {"max_batch": 4}},
                         publish={"hwm": 100_000})
     worker = NullWorker(per_frame_s=1 / 60)  # 60 frames/s of capacity against 120 offered
-    sub = Subscriber(endpoint, ["vit."])
+    sub = Subscriber(endpoint, ["classify."])
     late, got = [], {f"s{i}": 0 for i in range(4)}
 
     def read():
@@ -33,18 +33,18 @@ def test_twice_the_capacity_for_60_s(endpoint):
                 late.append(m["latency_ms"])
     reader = threading.Thread(target=read)
     reader.start()
-    eng = Engine(cfg, workers={"vit": worker})
+    eng = Engine(cfg, workers={"classify": worker})
     eng.start()
     rss = []
     for _ in range(6):
         time.sleep(10)
         rss.append(psutil.Process().memory_info().rss / 2**20)
         for i in range(4):
-            assert eng.pools["vit"].acct.snapshot(f"s{i}").balanced()
+            assert eng.pools["classify"].acct.snapshot(f"s{i}").balanced()
     eng.stop()
     reader.join(10)
     sub.close()
-    snaps = [eng.pools["vit"].acct.snapshot(f"s{i}") for i in range(4)]
+    snaps = [eng.pools["classify"].acct.snapshot(f"s{i}") for i in range(4)]
     assert late == []
     for s in snaps:
         assert s.in_flight == 0 and set(s.dropped) <= {"deadline", "ring_full", "late", "shutdown"}
@@ -62,19 +62,19 @@ def test_slow_and_absent_subscribers_change_nothing_upstream(endpoint):
         def infer(self, inputs):
             return [{"pad": b"x" * 20_000} for _ in super().infer(inputs)]
     worker = Padded(per_frame_s=0.002)
-    eng = Engine(cfg, workers={"vit": worker})
+    eng = Engine(cfg, workers={"classify": worker})
     eng.start()
 
     def rates(seconds):
-        a = eng.pools["vit"].acct.snapshot("s")
+        a = eng.pools["classify"].acct.snapshot("s")
         b0 = worker.batches
         time.sleep(seconds)
-        b = eng.pools["vit"].acct.snapshot("s")
+        b = eng.pools["classify"].acct.snapshot("s")
         return (b.ingested - a.ingested) / seconds, (worker.batches - b0) / seconds
 
     time.sleep(1)
     absent_in, absent_batches = rates(5)  # nobody subscribed
-    slow = Subscriber(endpoint, ["vit."], hwm=5)
+    slow = Subscriber(endpoint, ["classify."], hwm=5)
     slow._sock.setsockopt(zmq.RCVBUF, 4096)
     stop = threading.Event()
 
@@ -92,7 +92,7 @@ def test_slow_and_absent_subscribers_change_nothing_upstream(endpoint):
     t.join(5)
     eng.stop()
     slow.close()
-    s = eng.pools["vit"].acct.snapshot("s")
+    s = eng.pools["classify"].acct.snapshot("s")
     assert abs(slow_in - absent_in) <= 0.1 * absent_in  # decode rate unchanged
     assert abs(slow_batches - absent_batches) <= 0.2 * absent_batches + 1  # inference rate unchanged
     assert s.dropped.get("publish_hwm", 0) > 0  # the slow reader's losses are counted, not silent

@@ -1,9 +1,11 @@
-"""The publisher: schema, HWM drops counted (live), back-pressure without loss (offline), never late."""
+"""The publisher: schema, HWM drops counted (live), back-pressure without loss (offline), never late,
+no stream waiting behind another, events bounded and never blocking, subscribers counted as peers."""
 
 import math
 import threading
 import time
 
+import msgpack
 import pytest
 import zmq
 
@@ -11,44 +13,72 @@ from engine.accounting import Accounting
 from engine.client import Subscriber
 from engine.config import PublishConfig
 from engine.frame import FrameMeta
-from engine.publisher import Publisher
+from engine.publisher import EVENTS_PER_STREAM, Publisher
 from engine.schema import SCHEMA_VERSION
 
 
-def meta(seq, live=False, deadline=None):
+def meta(seq, live=False, deadline=None, stream="cam1"):
     d = math.inf if not live else (deadline if deadline is not None else time.monotonic() + 60)
-    return FrameMeta("cam1", seq, seq / 30, time.time(), deadline=d)
+    return FrameMeta(stream, seq, seq / 30, time.time(), deadline=d)
 
 
-def connected(pub, sub_endpoint, topics=("",), n=1):
-    sub = Subscriber(sub_endpoint, topics)
+def submit(pub, acct, m, fields=None):
+    """As the output stage does: the frame is ingested, and handed over under the pool's ledger lock."""
+    with acct.lock:
+        acct.ingest(m.stream)
+        pub.submit_results(acct, [(m, "classify", "random", fields or {})])
+
+
+def connected(pub, sub_endpoint, topics=("",), n=1, hwm=100_000):
+    sub = Subscriber(sub_endpoint, topics, hwm=hwm)
     assert pub.wait_subscribers(n, 5), "subscriber did not connect"
     return sub
 
 
+def stuck_subscriber(endpoint, topics):
+    """A subscriber that never reads, with the smallest queues (set before connecting, so they apply)."""
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    for t in topics:
+        sock.setsockopt(zmq.SUBSCRIBE, t.encode())
+    return sock
+
+
+def wait_for(pred, timeout=10):
+    t_end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < t_end:
+        time.sleep(0.01)
+    return pred()
+
+
 def test_result_and_event_schema(endpoint):
     pub = Publisher(PublishConfig(endpoint=endpoint))
-    acct = Accounting("vit")
-    acct.ingest("cam1")
+    acct = Accounting("classify")
+    acct.add_holder("publisher", lambda: pub.held("classify"))
     with connected(pub, endpoint) as sub:
-        pub.submit_result(acct, meta(0), "vit", "random", {"topk": [[1, "goldfish", 0.5]]})
+        submit(pub, acct, meta(0), {"topk": [[1, "goldfish", 0.5]]})
         pub.submit_event("cam1", "eos", "end of stream")
         r, e = sub.recv(5), sub.recv(5)
     pub.close()
-    assert r["v"] == SCHEMA_VERSION and r["type"] == "vit" and r["stream"] == "cam1" and r["seq"] == 0
+    assert SCHEMA_VERSION == 2
+    assert r["v"] == SCHEMA_VERSION and r["type"] == "classify" and r["stream"] == "cam1" and r["seq"] == 0
     assert set(r) >= {"pts", "t_capture", "t_publish", "latency_ms", "weights", "topk"}
     assert r["latency_ms"] == pytest.approx((r["t_publish"] - r["t_capture"]) * 1e3)
     assert e == {"v": SCHEMA_VERSION, "type": "event", "stream": "cam1", "kind": "eos",
                  "reason": "end of stream", "t": e["t"]}
-    assert acct.snapshot("cam1").published == 1
+    s = acct.snapshot("cam1")
+    assert s.published == 1 and s.in_flight == 0 and s.balanced()
 
 
 def test_offline_back_pressure_loses_nothing_to_a_slow_subscriber(endpoint):
     n = 20_000
     pub = Publisher(PublishConfig(endpoint=endpoint, hwm=50, queue_size=64))
-    acct = Accounting("vit")
-    sub = connected(pub, endpoint)
-    sub._sock.setsockopt(zmq.RCVHWM, 50)
+    acct = Accounting("classify")
+    acct.add_holder("publisher", lambda: pub.held("classify"))
+    sub = connected(pub, endpoint, hwm=50)
     got = []
 
     def slow_reader():
@@ -63,25 +93,25 @@ def test_offline_back_pressure_loses_nothing_to_a_slow_subscriber(endpoint):
     t = threading.Thread(target=slow_reader)
     t.start()
     for i in range(n):
-        acct.ingest("cam1")
-        pub.submit_result(acct, meta(i), "vit", "random", {})
+        while pub.backlog("cam1") >= 64:  # the engine core's credit: an offline stream waits here
+            time.sleep(0.001)
+        submit(pub, acct, meta(i))
     t.join(60)
     pub.close()
     sub.close()
     assert got == list(range(n))
     s = acct.snapshot("cam1")
-    assert s.published == n and s.dropped == {}
+    assert s.published == n and s.dropped == {} and s.in_flight == 0
 
 
 def test_live_hwm_drops_are_counted_not_silent(endpoint):
     n = 20_000
     pub = Publisher(PublishConfig(endpoint=endpoint, hwm=10, queue_size=n))
-    acct = Accounting("vit")
-    sub = connected(pub, endpoint)
-    sub._sock.setsockopt(zmq.RCVHWM, 10)
+    acct = Accounting("classify")
+    acct.add_holder("publisher", lambda: pub.held("classify"))
+    sub = connected(pub, endpoint, hwm=10)
     for i in range(n):
-        acct.ingest("cam1")
-        pub.submit_result(acct, meta(i, live=True), "vit", "random", {"pad": b"x" * 1000})
+        submit(pub, acct, meta(i, live=True), {"pad": b"x" * 1000})
     pub.close(timeout=10)
     received = 0
     while sub.recv(0.5) is not None:
@@ -89,19 +119,90 @@ def test_live_hwm_drops_are_counted_not_silent(endpoint):
     sub.close()
     s = acct.snapshot("cam1")
     assert s.dropped.get("publish_hwm", 0) > 0
-    assert s.published + sum(s.dropped.values()) == n and s.in_flight == 0
+    assert s.published + sum(s.dropped.values()) == n and s.in_flight == 0 and s.balanced()
     assert received == s.published
 
 
 def test_a_late_result_is_never_published(endpoint):
     pub = Publisher(PublishConfig(endpoint=endpoint))
-    acct = Accounting("vit")
-    acct.ingest("cam1")
+    acct = Accounting("classify")
     with connected(pub, endpoint) as sub:
-        pub.submit_result(acct, meta(0, live=True, deadline=time.monotonic() - 0.001), "vit", "random", {})
+        submit(pub, acct, meta(0, live=True, deadline=time.monotonic() - 0.001))
         assert sub.recv(0.5) is None
     pub.close()
     assert acct.snapshot("cam1").dropped == {"late": 1}
+
+
+def test_a_stalled_offline_stream_never_delays_another_stream(endpoint):
+    """Stream `off` is offline and its only subscriber stopped reading: its results wait at the head of
+    its outbox. Stream `live` goes on to its own subscriber: nothing dropped, nothing late, no delay."""
+    pub = Publisher(PublishConfig(endpoint=endpoint, hwm=20, queue_size=1000))
+    acct = Accounting("classify")
+    acct.add_holder("publisher", lambda: pub.held("classify"))
+    stuck = stuck_subscriber(endpoint, ["classify.off", "event.off"])
+    reader = Subscriber(endpoint, ["classify.live"])
+    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 3)
+    for i in range(300):  # far more than the stuck subscriber's queues hold
+        submit(pub, acct, meta(i, stream="off"), {"pad": b"x" * 20_000})
+    pub.submit_event("off", "eos", "end of stream")
+    assert wait_for(lambda: pub.pending().get("off", 0) > 0 and acct.snapshot("off").published > 0)
+    delays = []
+    for i in range(100):
+        t0 = time.monotonic()
+        submit(pub, acct, meta(i, live=True, deadline=time.monotonic() + 0.5, stream="live"))
+        m = reader.recv(2)
+        assert m is not None and m["seq"] == i, (i, m, acct.snapshot("live"))
+        delays.append(time.monotonic() - t0)
+    off = acct.snapshot("off")
+    live = acct.snapshot("live")
+    assert live.published == 100 and live.dropped == {} and sorted(delays)[95] < 0.1, sorted(delays)[-5:]
+    assert off.dropped == {} and off.published < 300 and off.in_flight == 300 - off.published  # waiting, not lost
+    stuck.close()
+    reader.close()
+    pub.close(timeout=1)
+    off = acct.snapshot("off")
+    assert off.published + off.dropped.get("shutdown", 0) == 300 and off.in_flight == 0  # counted at close
+
+
+def test_events_are_bounded_and_never_block(endpoint):
+    """A subscriber of a stream's events at its HWM: the events wait (never blocking the thread: other
+    streams' results go on), at most EVENTS_PER_STREAM of them; older ones are dropped and counted."""
+    pub = Publisher(PublishConfig(endpoint=endpoint, hwm=20))
+    acct = Accounting("classify")
+    stuck = stuck_subscriber(endpoint, ["event.noisy"])
+    reader = Subscriber(endpoint, ["classify.other"])
+    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 2)
+    n = EVENTS_PER_STREAM * 6
+    for i in range(n):  # 50 KB each: far more than the stuck subscriber's queues and socket buffers hold
+        pub.submit_event("noisy", "reconnecting", "x" * 50_000 + str(i))
+    pub.submit_event("noisy", "eos", "end")
+    for i in range(20):
+        submit(pub, acct, meta(i, live=True, deadline=time.monotonic() + 0.5, stream="other"))
+        assert reader.recv(2) is not None, (i, acct.snapshot("other"), pub.pending(), pub.stats)
+    assert acct.snapshot("other").published == 20
+    assert 0 < pub.pending()["noisy"] <= EVENTS_PER_STREAM
+    dropped = pub.stats.events_dropped["noisy"]
+    assert dropped > 0 and pub.stats.events + dropped + pub.pending()["noisy"] == n + 1
+    kinds = []
+    while stuck.poll(1000):
+        kinds.append(msgpack.unpackb(stuck.recv_multipart()[1])["kind"])
+    assert kinds[-1] == "eos" and len(kinds) == n + 1 - dropped  # the eos is never the one dropped
+    stuck.close()
+    reader.close()
+    pub.close()
+
+
+def test_min_subscribers_counts_subscribers_not_subscriptions(endpoint):
+    pub = Publisher(PublishConfig(endpoint=endpoint))
+    one = Subscriber(endpoint, ["classify.a", "classify.b", "event."])  # one subscriber, three subscriptions
+    assert pub.wait_subscribers(1, 5)
+    assert not pub.wait_subscribers(2, 1.0)
+    two = Subscriber(endpoint, ["classify.a"])
+    assert pub.wait_subscribers(2, 5) and pub.subscribers == 2
+    one.close()
+    two.close()
+    assert wait_for(lambda: pub.subscribers == 0, 5)
+    pub.close()
 
 
 def test_bind_conflict_is_a_clear_error(endpoint):

@@ -45,11 +45,11 @@ def test_real_photographs_get_the_right_imagenet_labels(tmp_path, endpoint, lite
     from skimage import data
     clip = photo_video(tmp_path / "photos.mp4", [data.chelsea(), data.coffee()])
     cfg = engine_config([{"id": "photos", "url": str(clip), "mode": "offline"}], endpoint,
-                        models={"vit": {"name": "tf_efficientnet_lite0", "weights": str(lite0_weights)}},
+                        models={"classify": {"name": "tf_efficientnet_lite0", "weights": str(lite0_weights)}},
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["photos"])
     _, finished = run_engine(cfg)
-    results = sorted((m for m in col.wait() if m["type"] == "vit"), key=lambda m: m["seq"])
+    results = sorted((m for m in col.wait() if m["type"] == "classify"), key=lambda m: m["seq"])
     assert finished and len(results) == 12
     assert all(m["weights"] == "efficientnet_lite0_timm.pth" for m in results)
     top1 = [m["topk"][0][1] for m in results]

@@ -42,13 +42,13 @@ def engine_with(url_or_urls, endpoint, **source):
                {"id": "other", "url": "synthetic://shapes?size=64x64&fps=30", "mode": "live"}]
     cfg = engine_config(streams, endpoint, budget={"latency_ms": 1000},
                         source={"open_timeout_s": 2, "stall_timeout_s": 2, **source})
-    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng = Engine(cfg, workers={"classify": NullWorker()})
     eng.start()
     return eng
 
 
 def published(eng, sid):
-    return eng.pools["vit"].acct.snapshot(sid).published
+    return eng.pools["classify"].acct.snapshot(sid).published
 
 
 def wait(pred, timeout):
@@ -117,7 +117,7 @@ def test_port_closed_for_60_s_backs_off_to_the_cap_quietly(endpoint, caplog):
     port = free_port()  # nothing listens: connection refused, for a whole minute
     cfg = engine_config([{"id": "cam", "url": f"rtsp://admin:s3cret@127.0.0.1:{port}/x", "mode": "live"}], endpoint,
                         source={"reconnect_max_s": 30})
-    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng = Engine(cfg, workers={"classify": NullWorker()})
     proc = psutil.Process()
     with caplog.at_level(logging.INFO):
         eng.start()

@@ -1,5 +1,6 @@
 import math
 import threading
+from collections import Counter
 import time
 
 import numpy as np
@@ -12,9 +13,10 @@ from engine.ring import FrameRing, slots_for
 
 
 def ring(live=True, slots=3, max_pixels=10**8):
-    acct = Accounting("vit")
+    acct = Accounting("classify")
     r = FrameRing("s", live=live, accounting=acct, memory_bytes=slots * 8 * 8 * 3, min_slots=2,
                   max_slots=slots, max_frame_pixels=max_pixels, pin=False)
+    acct.add_holder("ring", lambda: Counter({"s": r.ready()}))  # as a pool registers it
     return r, acct
 
 
@@ -43,11 +45,13 @@ def test_live_overwrites_oldest_and_counts():
     r, acct = ring(live=True, slots=3)
     for i in range(5):
         assert r.write(*frame(i))
+    s = acct.snapshot("s")
+    assert s.ingested == 5 and s.dropped == {"ring_full": 2} and s.in_flight == 3 and s.held == {"ring": 3}
+    assert s.balanced() and r.overwrites == 2
     got = [fv.meta.seq for fv in r.take_ready()]
     assert got == [2, 3, 4]
-    s = acct.snapshot("s")
-    assert s.ingested == 5 and s.dropped == {"ring_full": 2} and s.in_flight == 3 and s.balanced()
-    assert r.overwrites == 2
+    # taken frames are the taker's to hold: with nobody registered for them, the check says so
+    assert acct.snapshot("s").in_flight == 0 and not acct.snapshot("s").balanced()
 
 
 def test_live_drops_new_frame_when_every_slot_is_claimed():
@@ -107,19 +111,22 @@ def test_size_change_reallocates_the_slot():
 
 
 def test_size_change_keeps_memory_within_the_budget():
-    acct = Accounting("vit")
+    acct = Accounting("classify")
     r = FrameRing("s", live=True, accounting=acct, memory_bytes=4 * 8 * 8 * 3, min_slots=2, max_slots=4,
                   max_frame_pixels=10**8, pin=False)
+    acct.add_holder("ring", lambda: Counter({"s": r.ready()}))
     for i in range(4):
         r.write(*frame(i))
     for fv in r.take_ready():
         fv.release()
+        acct.drop("s", "test")  # the consumer's terminal state for it
     assert r.capacity == 4 and r.allocated_bytes() == 4 * 8 * 8 * 3
     for i in range(4, 10):  # 4x larger frames: the budget now holds 2 slots (min_slots)
         r.write(*frame(i, h=16, w=16))
         for fv in r.take_ready():
             assert fv.pixels.shape == (16, 16, 3)
             fv.release()
+            acct.drop("s", "test")
     assert r.allocated_bytes() <= 2 * 16 * 16 * 3
     s = acct.snapshot("s")
-    assert s.ingested == 10 and s.balanced()
+    assert s.ingested == 10 and s.balanced() and s.in_flight == 0

@@ -65,14 +65,14 @@ def test_rtsp_stream_yields_results(rtsp_server, endpoint):
     eng = Engine(cfg)  # the real test_vit classifier
     eng.start()
     t_end = time.monotonic() + 20
-    while eng.pools["vit"].acct.snapshot("cam1").published < 20 and time.monotonic() < t_end:
+    while eng.pools["classify"].acct.snapshot("cam1").published < 20 and time.monotonic() < t_end:
         time.sleep(0.1)
     eng.stop()
     col._t.join(2)
     col.sub.close()
-    results = [m for m in col.msgs if m["type"] == "vit"]
+    results = [m for m in col.msgs if m["type"] == "classify"]
     events = [m["kind"] for m in col.msgs if m["type"] == "event"]
-    assert len(results) >= 20, eng.pools["vit"].acct.snapshot("cam1")
+    assert len(results) >= 20, eng.pools["classify"].acct.snapshot("cam1")
     assert events[0] == "started" and events[-1] == "eos"
     assert all(r["stream"] == "cam1" and len(r["topk"]) == 5 for r in results)
     seqs = [r["seq"] for r in results]
@@ -85,13 +85,13 @@ def test_rtsp_server_gone_is_a_disconnect_not_an_eos(rtsp_server, tmp_path, endp
     url = rtsp_server("--file", str(clip))  # plays the clip once per client (~1 s), then ends the session
     cfg = engine_config([{"id": "cam1", "url": url, "mode": "live"}], endpoint,
                         budget={"latency_ms": 500}, source={"reconnect_initial_s": 0.2})
-    eng = Engine(cfg, workers={"vit": NullWorker()})
+    eng = Engine(cfg, workers={"classify": NullWorker()})
     eng.start()
     runner = eng.streams["cam1"].runner
     t_end = time.monotonic() + 15
     while runner.reconnects < 2 and time.monotonic() < t_end:
         time.sleep(0.1)
-    published = eng.pools["vit"].acct.snapshot("cam1").published
+    published = eng.pools["classify"].acct.snapshot("cam1").published
     eng.stop()
     assert runner.reconnects >= 2
     assert published >= 40  # frames from at least two sessions, seq continuing across them

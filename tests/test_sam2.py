@@ -1,6 +1,8 @@
 """SAM 2 streaming tracker against Meta's offline SAM2VideoPredictor, bounded memory, batching,
 deadlines, and bad input. hiera-t at 256 px with a random (biased) checkpoint: CPU-fast."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -114,7 +116,7 @@ def test_engine_publishes_sam2_results_equal_to_reference(ckpt, clips, tmp_path,
     frames = decode_all(clips[0])
     ref = reference_masks(ckpt, frames, PROMPTS, tmp_path)
     cfg = engine_config([{"id": "cam1", "url": str(clips[0]), "mode": "offline"}], endpoint,
-                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                        models={"classify": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
                                                       "preprocess": "exact", "max_batch": 2}},
                         objects=[{"stream": "cam1", "id": 1, "box": PROMPTS[1]["box"]},
                                  {"stream": "cam1", "id": 2, "points": PROMPTS[2]["points"]}],
@@ -135,14 +137,16 @@ def test_engine_publishes_sam2_results_equal_to_reference(ckpt, clips, tmp_path,
             assert 0 <= o["score"] <= 1
 
 
-def test_live_sam2_drops_before_encoding_and_keeps_tracking(ckpt, endpoint):
-    """SAM 2 (~0.1 s a frame here) behind a 30 fps stream: frames are dropped for their deadline before any
-    encoding, no result is late, and the tracker's frame count is exactly the processed frames."""
-    budget_ms = 400
+def test_live_sam2_drops_before_encoding_and_keeps_tracking(model, ckpt, endpoint):
+    """SAM 2 behind a 30 fps stream: frames are dropped for their deadline before any encoding, no result
+    is late, and the tracker's frame count is exactly the processed frames. The budget is 4 steps of
+    SAM 2 as measured here (machines of this kind differ 3x in speed; the suite also runs loaded)."""
+    step_s = sam2_step_seconds(model)
+    budget_ms = 4 * step_s * 1e3
     cfg = engine_config([{"id": "live", "url": "synthetic://shapes?size=320x240&fps=30&frames=60", "mode": "live"}],
                         endpoint, budget={"latency_ms": budget_ms},
-                        models={"vit": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
-                                                      "max_batch": 1}},
+                        models={"classify": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt),
+                                                           "image_size": SIZE, "max_batch": 1}},
                         objects=[{"stream": "live", "id": 1, "box": [10, 10, 120, 100]}],
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["live"])
@@ -150,12 +154,32 @@ def test_live_sam2_drops_before_encoding_and_keeps_tracking(ckpt, endpoint):
     eng, finished = run_engine(cfg, timeout=60)
     msgs = [m for m in col.wait() if m["type"] == "sam2"]
     s = eng.pools["sam2"].acct.snapshot("live")
-    assert finished and s.ingested == 60 and s.in_flight == 0
-    assert s.dropped.get("deadline", 0) + s.dropped.get("ring_full", 0) > 0
-    assert max(m["latency_ms"] for m in msgs) <= budget_ms + 1.0
-    track = eng.decoder.list()["live"]
+    assert finished and s.ingested == 60 and s.in_flight == 0 and s.balanced()
+    assert s.dropped.get("deadline", 0) + s.dropped.get("ring_full", 0) > 0, (s, step_s)
+    assert msgs and max(m["latency_ms"] for m in msgs) <= budget_ms + 1.0, (s, step_s)
+    track = eng.pools["sam2"].spec.processor.stage.list()["live"]
     assert track["frame"] == s.published + s.dropped.get("late", 0)  # no holes: only processed frames count
     assert all(len(m["objects"]) == 1 for m in msgs)
+
+
+def sam2_step_seconds(model, reps=3):
+    """Median seconds of one whole SAM 2 step here: preprocess, encode, track one object."""
+    frame = torch.from_numpy(decode_all_synthetic())
+    stage = DecoderStage(model)
+    stage.add_stream("w")
+    stage.add_object("w", Prompt(1, box=[10, 10, 120, 100]))
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        feats = encode(model, preprocess([frame], SIZE, "fast", torch.device("cpu")))
+        stage.step([("w", feats[0], (240, 320))])
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def decode_all_synthetic():
+    from streams.synthetic import SyntheticSource
+    return SyntheticSource("w", "synthetic://shapes?size=320x240").render(0)
 
 
 @pytest.mark.parametrize("p, message", [
@@ -209,9 +233,9 @@ def test_both_pools_on_one_stream(ckpt, endpoint):
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["both"])
     col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.")
-    eng, finished = run_engine(cfg, workers={"vit": NullWorker()}, timeout=60)
+    eng, finished = run_engine(cfg, workers={"classify": NullWorker()}, timeout=60)
     msgs = col.wait()
     assert finished
-    for kind in ("vit", "sam2"):
+    for kind in ("classify", "sam2"):
         assert sorted(m["seq"] for m in msgs if m["type"] == kind) == list(range(n)), kind
     assert [m["kind"] for m in msgs if m["type"] == "event"] == ["started", "eos"] and msgs[-1]["kind"] == "eos"

@@ -15,7 +15,7 @@ from engine.errors import ConfigError
 from engine.security import create_keys
 from engine.workers.null import NullWorker
 from tests.conftest import engine_config, free_port
-from tests.test_control import ControlServer
+from tests.test_control import ControlServer, with_control
 
 
 @pytest.fixture
@@ -34,16 +34,16 @@ def test_curve_allow_list(keys, endpoint, caplog):
                         budget={"latency_ms": 500},
                         security={"curve": True, "server_key": str(k / "server.key_secret"),
                                   "authorized_clients": str(keys / "allowed")})
+    cfg, ctl = with_control(cfg)
     with caplog.at_level(logging.DEBUG):
-        eng = Engine(cfg, workers={"vit": NullWorker()})
+        eng = Engine(cfg, workers={"classify": NullWorker()})
         eng.start()
-        ctl = f"tcp://127.0.0.1:{free_port()}"
-        server = ControlServer(eng, ctl)
+        server = ControlServer(eng)
         try:
-            good = Subscriber(endpoint, ["vit."], curve=(str(k / "client.key_secret"), str(k / "server.key")))
-            bad = Subscriber(endpoint, ["vit."], curve=(str(keys / "intruder" / "client.key_secret"),
+            good = Subscriber(endpoint, ["classify."], curve=(str(k / "client.key_secret"), str(k / "server.key")))
+            bad = Subscriber(endpoint, ["classify."], curve=(str(keys / "intruder" / "client.key_secret"),
                                                          str(k / "server.key")))
-            plain = Subscriber(endpoint, ["vit."])
+            plain = Subscriber(endpoint, ["classify."])
             assert good.recv(5)["stream"] == "cam1"
             assert bad.recv(1.5) is None and plain.recv(0.5) is None
             assert request(ctl, {"op": "list"}, curve=(str(k / "client.key_secret"), str(k / "server.key")))["ok"]
@@ -72,7 +72,7 @@ def test_missing_key_file_names_the_key(tmp_path, endpoint):
                         security={"curve": True, "server_key": str(tmp_path / "nope.key_secret"),
                                   "authorized_clients": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"security.server_key: '.*nope.key_secret' not found; create keys"):
-        Engine(cfg, workers={"vit": NullWorker()}).start()
+        Engine(cfg, workers={"classify": NullWorker()}).start()
 
 
 def test_default_binds_are_loopback():

@@ -26,13 +26,13 @@ def start_engine(tmp_path, streams=3):
            "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", ["vit.", "event."])
+    sub = Subscriber(f"tcp://127.0.0.1:{port}", ["classify.", "event."])
     proc = subprocess.Popen(VIDAR + [str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = 0
     t_end = time.monotonic() + 60
     while results < 30 and time.monotonic() < t_end:  # under load: results flowing on every stream
         m = sub.recv(1)
-        results += bool(m and m["type"] == "vit")
+        results += bool(m and m["type"] == "classify")
     assert results >= 30, proc.stderr.read() if proc.poll() is not None else "no results"
     return proc, sub
 

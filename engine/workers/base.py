@@ -52,3 +52,41 @@ class Worker(ABC):
 
     def close(self) -> None:
         """Release model memory."""
+
+
+class OutputProcessor(ABC):
+    """A family's stage after the workers, run on its pool's output thread (its one owner), in
+    dispatch order: SAM 2's shared decoder stage is one. Control requests that concern its state
+    (`ops`) are run on the same thread, between batches."""
+
+    #: control ops this processor serves (e.g. add_object); the engine routes them here
+    ops: tuple[str, ...] = ()
+
+    def add_stream(self, stream: str) -> None:
+        """A stream starts feeding the pool."""
+
+    def remove_stream(self, stream: str) -> None:
+        """A stream was removed: forget its state."""
+
+    @abstractmethod
+    def process(self, frames: Sequence[Any], fields: list[dict]) -> tuple[list, Callable[[], None]]:
+        """Turn the workers' outputs of these frames (in dispatch order) into message fields. Returns
+        (per frame: a dict of fields, or an exception that fails that frame alone; commit). Nothing
+        may change the processor's state before `commit()` is called: the output stage calls it only
+        if this step's results are used (not after a watchdog replaced the thread)."""
+
+    def control(self, op: str, request: dict) -> dict:
+        """Apply a control request; return the reply's extra fields. Raise VidarError for bad requests."""
+        raise NotImplementedError(op)
+
+    def describe(self) -> dict[str, dict]:
+        """Per-stream state for `list` (a snapshot: called from other threads)."""
+        return {}
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Extra per-stream counters for the metrics: {metric name: {stream: n}}."""
+        return {}
+
+    def events(self) -> list[tuple[str, str, str]]:
+        """Events to publish (stream, kind, reason), taken once."""
+        return []

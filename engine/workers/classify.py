@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..config import ClassifyConfig as VitConfig
+from ..config import ClassifyConfig
 from ..errors import ConfigError, WeightsError
 from .base import Worker, time_batches
+from .registry import PoolSpec
 
 log = logging.getLogger("vidar.vit")
 
@@ -154,9 +155,9 @@ class Preprocessor:
 class ClassifierWorker(Worker):
     """Top-k classes (and optionally the pooled embedding) per frame."""
 
-    kind = "vit"
+    kind = "classify"
 
-    def __init__(self, cfg: VitConfig, *, model: torch.nn.Module | None = None, weights_tag: str | None = None):
+    def __init__(self, cfg: ClassifyConfig, *, model: torch.nn.Module | None = None, weights_tag: str | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         if cfg.dtype == "auto":
@@ -220,3 +221,14 @@ class ClassifierWorker(Worker):
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def build_pool(cfg: ClassifyConfig, *, workers: list[Worker] | None = None,
+               factory: Callable[[], Worker] | None = None) -> PoolSpec:
+    """`cfg.workers` instances sharing one copy of the model; a failed one is rebuilt from the same model."""
+    if workers is None:
+        first = ClassifierWorker(cfg)
+        workers = [first] + [ClassifierWorker(cfg, model=first.model, weights_tag=first.weights_tag)
+                             for _ in range(cfg.workers - 1)]
+        factory = factory or (lambda: ClassifierWorker(cfg, model=first.model, weights_tag=first.weights_tag))
+    return PoolSpec("classify", workers, factory, cfg.max_batch, cfg.threads)

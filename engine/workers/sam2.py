@@ -6,12 +6,15 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from pydantic import ValidationError
 
-from ..config import Sam2Config
-from .base import Worker, time_batches
+from ..config import ObjectConfig, Sam2Config
+from ..errors import ControlError
+from .base import OutputProcessor, Worker, time_batches
 from .classify import resolve_device
 from .sam2_model import build_sam2_model, preprocess
-from .sam2_tracker import DecoderStage, encode, render
+from .registry import PoolSpec
+from .sam2_tracker import DecoderStage, Prompt, encode, render
 
 
 class Sam2EncoderWorker(Worker):
@@ -44,33 +47,109 @@ class Sam2EncoderWorker(Worker):
         self.model = None
 
 
-class Sam2Stage:
-    """Pool stage 2, run in dispatch order: the shared decoder stage, then rendering.
+class Sam2Processor(OutputProcessor):
+    """The SAM 2 pool's output processor, run on its output thread (the one owner of the tracking
+    state): the shared decoder stage, then mask rendering, and the object control requests.
 
     Frames of one stream inside one encoder batch are tracked in order (one "wave" per frame),
-    each wave one batched decoder call for all due pairs of all streams in it.
+    each wave one batched decoder call for all due pairs of all streams in it. All waves run on
+    staged state; `commit` installs it (see DecoderStage).
     """
 
-    def __init__(self, decoder: DecoderStage, emit: Callable[[str, str, str], None]):
-        self.decoder, self._emit = decoder, emit
+    ops = ("add_object", "remove_object", "reset_stream")
 
-    def __call__(self, frames: Sequence, outputs: list[dict]) -> list[dict]:
-        waves: list[list[int]] = []
-        seen: dict[str, int] = {}
-        for i, fv in enumerate(frames):
-            w = seen.get(fv.meta.stream, 0)
-            seen[fv.meta.stream] = w + 1
-            if w == len(waves):
-                waves.append([])
-            waves[w].append(i)
-        fields: list[dict] = [{} for _ in frames]
-        for wave in waves:
-            batch = [(frames[i].meta.stream, outputs[i]["_features"], (frames[i].meta.height, frames[i].meta.width))
+    def __init__(self, decoder: DecoderStage):
+        self.stage = decoder
+
+    def add_stream(self, stream: str) -> None:
+        self.stage.add_stream(stream)
+
+    def remove_stream(self, stream: str) -> None:
+        self.stage.remove_stream(stream)
+
+    def process(self, frames: Sequence, fields: list[dict]) -> tuple[list, Callable[[], None]]:
+        staged = self.stage.begin([fv.meta.stream for fv in frames])
+        events: list = []
+        out: list = [None] * len(frames)
+        for wave in _waves(frames):
+            wave = [i for i in wave if frames[i].meta.stream in staged]
+            batch = [(frames[i].meta.stream, fields[i]["_features"], (frames[i].meta.height, frames[i].meta.width))
                      for i in wave]
-            for i, objs in zip(wave, self.decoder.step(batch)):
-                h, w = frames[i].meta.height, frames[i].meta.width
-                fields[i] = {"objects": [render(r, h, w) for r in objs]}
-        while self.decoder.rejected:
-            stream, obj_id, why = self.decoder.rejected.pop(0)
-            self._emit(stream, "error", f"object {obj_id} rejected: {why}")
-        return fields
+            tracked, ev = self.stage.track(staged, batch)
+            events += ev
+            for i, objs in zip(wave, tracked):
+                out[i] = _render_frame(objs, frames[i].meta.height, frames[i].meta.width)
+        for i, f in enumerate(out):
+            if f is None:  # its stream left the stage (removed): the output stage drops such frames first
+                out[i] = RuntimeError(f"stream {frames[i].meta.stream!r} is not tracked")
+        return out, lambda: self.stage.commit(staged, events)
+
+    def control(self, op: str, request: dict) -> dict:
+        if op == "add_object":
+            try:
+                o = ObjectConfig.model_validate({k: v for k, v in request.items() if k != "op"})
+            except ValidationError as err:
+                e = err.errors()[0]
+                raise ControlError(f"add_object: {'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}") from None
+            self.stage.add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
+        elif op == "remove_object":
+            self.stage.remove_object(_need(request, "stream", str), _need(request, "id", int))
+        elif op == "reset_stream":
+            self.stage.reset_stream(_need(request, "stream", str))
+        else:
+            raise ControlError(f"sam2: unknown op {op!r}")
+        return {}
+
+    def describe(self) -> dict[str, dict]:
+        return {s: {"objects": d["objects"] + d["pending"], "frame": d["frame"]} for s, d in self.stage.snapshot.items()}
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {"object_failures": dict(self.stage.object_failures)}
+
+    def events(self) -> list[tuple[str, str, str]]:
+        out = []
+        while self.stage.events:
+            out.append(self.stage.events.popleft())
+        return out
+
+
+def _waves(frames: Sequence) -> list[list[int]]:
+    """Indices per wave: the k-th frame of every stream in the batch goes into wave k."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for i, fv in enumerate(frames):
+        w = seen.get(fv.meta.stream, 0)
+        seen[fv.meta.stream] = w + 1
+        if w == len(waves):
+            waves.append([])
+        waves[w].append(i)
+    return waves
+
+
+def _render_frame(objs: list[dict], height: int, width: int) -> dict:
+    fields = {"objects": [render(r, height, width) for r in objs if "error" not in r]}
+    errors = [{"id": r["id"], "error": r["error"]} for r in objs if "error" in r]
+    if errors:
+        fields["errors"] = errors
+    return fields
+
+
+def _need(req: dict, key: str, kind: type):
+    value = req.get(key)
+    if value is None:
+        raise ControlError(f"{req.get('op')}: missing key {key!r}")
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ControlError(f"{req.get('op')}: {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def build_pool(cfg: Sam2Config, *, workers: list[Worker] | None = None,
+               factory: Callable[[], Worker] | None = None) -> PoolSpec:
+    """Encoder instances sharing one model, and the shared decoder stage as the output processor."""
+    if workers is None:
+        first = Sam2EncoderWorker(cfg)
+        workers = [first] + [Sam2EncoderWorker(cfg, model=first.model, weights_tag=first.weights_tag)
+                             for _ in range(cfg.encoders - 1)]
+        factory = factory or (lambda: Sam2EncoderWorker(cfg, model=first.model, weights_tag=first.weights_tag))
+    decoder = DecoderStage(workers[0].model, max_objects=cfg.max_objects)
+    return PoolSpec("sam2", workers, factory, cfg.max_batch, cfg.threads, processor=Sam2Processor(decoder))

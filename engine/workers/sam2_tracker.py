@@ -1,241 +1,251 @@
-"""SAM 2 streaming tracker: bounded per-object memory banks and a decoder stage batched across
-every (stream, object) pair that is due.
+"""SAM 2 streaming tracker: a decoder stage batched across every (stream, object) pair that is due.
 
 Per processed frame SAM 2 runs (a) the image encoder (see `Sam2EncoderWorker`), then per object
 (b) memory attention over the object's memory, (c) the mask decoder, (d) the memory encoder.
 Meta's `SAM2VideoPredictor` does (b)-(d) one object at a time and keeps every frame's outputs
 for ever. Here (b)-(d) run as one batched call for all due pairs whose memories have the same
-shape (at steady state: all of them), and each object keeps only what SAM 2's memory selection
-can ever read again (sam2_base.py `_prepare_memory_conditioned_features`, eval mode, stride 1):
-its conditioning (prompt) frame, the last `num_maskmem - 1` mask memories and the last
-`max_obj_ptrs_in_encoder - 1` object pointers. Memory per object is therefore constant.
+shape (at steady state: all of them), and each object keeps a bounded bank (sam2_memory.py).
 
 Frame indices are per-stream counts of *processed* frames: a frame dropped for its deadline
 never reaches the tracker, so it leaves no hole in the memory.
+
+One owner: the SAM 2 pool's output thread runs every method (control requests included), so
+there are no locks. Transactional: a step works on staged copies of its streams' state (`begin`)
+and nothing changes until `commit`. A batched call that raises is retried object by object, so
+an exception in one object's step fails only that object on that frame (its result says so, and
+`object_failures` counts it) and leaves its bank as it was; after `max_attempts` failures in a row
+the object (or its pending prompt) is dropped with an event. A bank is created only by a
+successful prompt step, so it is never empty.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..errors import VidarError
+from .sam2_memory import FrameFeatures, Memory, ObjectBank, Prompt, PromptError, StreamTrack
 from .sam2_model import has_hole_filling
+
+__all__ = ["DecoderStage", "FrameFeatures", "Memory", "ObjectBank", "Prompt", "PromptError", "StreamTrack",
+           "encode", "render"]
 
 # SAM2VideoPredictor passes the video length as `num_frames`; min(num_frames, 16) shapes the
 # pointers' time encoding. A live stream has no length: any value >= max_obj_ptrs_in_encoder
 # gives the same encoding as a reference video of that many frames or more.
 NUM_FRAMES = 1 << 30
-
-
-class PromptError(VidarError):
-    """A prompt names an unknown stream, lies outside the frame, or is malformed."""
-
-
-@dataclass
-class Prompt:
-    obj_id: int
-    box: Optional[list[float]] = None          # [x0, y0, x1, y1] in pixels
-    points: Optional[list[list[float]]] = None  # [[x, y, label], ...]; label 1 foreground, 0 background
-
-    def check(self, width: int, height: int, where: str) -> None:
-        coords = []
-        if self.box is not None:
-            if len(self.box) != 4 or not (self.box[0] < self.box[2] and self.box[1] < self.box[3]):
-                raise PromptError(f"{where}: box {self.box} must be [x0, y0, x1, y1] with x0 < x1 and y0 < y1")
-            coords += [(self.box[0], self.box[1]), (self.box[2], self.box[3])]
-        for p in self.points or []:
-            if len(p) != 3 or p[2] not in (0, 1):
-                raise PromptError(f"{where}: point {p} must be [x, y, label] with label 1 (foreground) or 0")
-            coords.append((p[0], p[1]))
-        if not coords:
-            raise PromptError(f"{where}: give a box or at least one point")
-        for x, y in coords:
-            if not (0 <= x <= width and 0 <= y <= height):
-                raise PromptError(f"{where}: ({x}, {y}) lies outside the {width}x{height} frame")
-
-
-@dataclass
-class Memory:
-    maskmem: Optional[torch.Tensor]  # (1, mem_dim, h, w) bfloat16, as the predictor stores it
-    obj_ptr: torch.Tensor            # (1, C)
-
-
-@dataclass
-class ObjectBank:
-    """What SAM 2 can still read for one object. Bounded by construction."""
-
-    num_maskmem: int
-    max_ptrs: int
-    cond: dict[int, Memory] = field(default_factory=dict)  # the prompt frame (re-prompting restarts the bank)
-    maskmems: deque = field(init=False)                    # (t, Memory) of the last num_maskmem - 1 frames
-    ptrs: deque = field(init=False)                        # (t, obj_ptr) of the last max_ptrs - 1 frames
-
-    def __post_init__(self) -> None:
-        self.maskmems = deque(maxlen=self.num_maskmem - 1)
-        self.ptrs = deque(maxlen=self.max_ptrs - 1)
-
-    def push(self, t: int, mem: Memory) -> None:
-        self.maskmems.append((t, mem))
-        self.ptrs.append((t, mem.obj_ptr))
-
-    def entries(self) -> int:
-        return len(self.cond) + len(self.maskmems) + len(self.ptrs)
-
-    def bound(self) -> int:
-        return 1 + self.maskmems.maxlen + self.ptrs.maxlen
-
-
-@dataclass
-class StreamTrack:
-    frame_idx: int = 0  # index of the next processed frame
-    objects: dict[int, ObjectBank] = field(default_factory=dict)
-    pending: dict[int, Prompt] = field(default_factory=dict)  # applied on the next processed frame
-    size: Optional[tuple[int, int]] = None  # (height, width) of the stream's frames
-
-
-@dataclass
-class FrameFeatures:
-    """The image encoder's output for one frame (batch of 1), flattened as SAM 2 uses it."""
-
-    vision_feats: list[torch.Tensor]  # per level (HW, 1, C)
-    vision_pos: list[torch.Tensor]
-    feat_sizes: list[tuple[int, int]]
+MAX_ATTEMPTS = 3  # failed steps in a row before an object (or a prompt that cannot start) is dropped
 
 
 @dataclass
 class _Due:
     stream: str
     obj_id: int
-    bank: ObjectBank
+    bank: Optional[ObjectBank]  # None for a prompt frame (the bank is made by the step)
     t: int
     feats: FrameFeatures
     prompt: Optional[Prompt] = None
 
 
 class DecoderStage:
-    """Memory attention + mask decoder + memory encoder for every due (stream, object) pair.
+    """Memory attention + mask decoder + memory encoder for every due (stream, object) pair."""
 
-    One instance is shared by all streams. Thread-safe: prompts arrive from the control plane
-    while `step` runs on the data plane.
-    """
-
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS):
         self.model = model
         self.device = next(model.parameters()).device
+        self.max_objects, self.max_attempts = max_objects, max_attempts
         self._streams: dict[str, StreamTrack] = {}
-        self._lock = threading.RLock()
         self._pos_enc: Optional[torch.Tensor] = None  # maskmem_pos_enc[-1]: the same for every frame
         self.calls: deque = deque(maxlen=10_000)  # batch size of each batched decoder call (tests, benchmarks)
         # seconds per batched call of each sub-stage, for benchmarks (bounded)
         self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
                                           for k in ("memory_attention", "mask_decoder", "memory_encoder")}
         self.timed = False  # on a GPU, sync between sub-stages to time them (benchmarks only: it costs)
-        self.rejected: list[tuple[str, int, str]] = []  # prompts found invalid when applied (reported as events)
+        self.events: deque = deque(maxlen=1000)  # (stream, kind, reason) to publish
+        self.object_failures: Counter = Counter()  # per stream: object steps that failed (committed)
+        self.snapshot: dict[str, dict] = {}        # per stream: frame, objects, pending (read by any thread)
 
     # -- control ----------------------------------------------------------------------------
     def add_stream(self, stream: str) -> None:
-        with self._lock:
-            self._streams.setdefault(stream, StreamTrack())
+        self._streams.setdefault(stream, StreamTrack())
+        self._refresh()
 
     def remove_stream(self, stream: str) -> None:
-        with self._lock:
-            self._streams.pop(stream, None)
+        self._streams.pop(stream, None)
+        self.object_failures.pop(stream, None)
+        self._refresh()
 
     def reset_stream(self, stream: str) -> None:
         """Forget every object and prompt of a stream (its frame count goes on)."""
-        with self._lock:
-            st = self._track(stream)
-            st.objects.clear()
-            st.pending.clear()
+        st = self._track(stream)
+        st.objects.clear()
+        st.pending.clear()
+        st.failures.clear()
+        self._refresh()
 
     def _track(self, stream: str) -> StreamTrack:
         st = self._streams.get(stream)
         if st is None:
-            raise PromptError(f"unknown stream {stream!r}; known: {sorted(self._streams)}")
+            raise PromptError(f"unknown stream {stream!r} (or it does not feed the sam2 pool); "
+                              f"known: {sorted(self._streams)}")
         return st
 
     def add_object(self, stream: str, prompt: Prompt) -> None:
         """Track `prompt.obj_id` from the stream's next processed frame (an existing id restarts)."""
-        with self._lock:
-            st = self._track(stream)
-            if st.size is not None:
-                prompt.check(st.size[1], st.size[0], f"stream {stream!r} object {prompt.obj_id}")
-            st.pending[prompt.obj_id] = prompt
+        st = self._track(stream)
+        new = prompt.obj_id not in st.objects and prompt.obj_id not in st.pending
+        if new and sum(s.count() for s in self._streams.values()) >= self.max_objects:
+            raise PromptError(f"models.sam2.max_objects={self.max_objects} objects are tracked already: remove one "
+                              "(remove_object, reset_stream) or raise models.sam2.max_objects")
+        if st.size is not None:
+            prompt.check(st.size[1], st.size[0], f"stream {stream!r} object {prompt.obj_id}")
+        st.pending[prompt.obj_id] = prompt
+        st.failures.pop(prompt.obj_id, None)
+        self._refresh()
 
     def remove_object(self, stream: str, obj_id: int) -> None:
-        with self._lock:
-            st = self._track(stream)
-            if obj_id not in st.objects and obj_id not in st.pending:
-                raise PromptError(f"stream {stream!r} has no object {obj_id}; objects: {sorted(st.objects)}")
-            st.objects.pop(obj_id, None)
-            st.pending.pop(obj_id, None)
+        st = self._track(stream)
+        if obj_id not in st.objects and obj_id not in st.pending:
+            raise PromptError(f"stream {stream!r} has no object {obj_id}; objects: {sorted(st.objects)}")
+        st.objects.pop(obj_id, None)
+        st.pending.pop(obj_id, None)
+        st.failures.pop(obj_id, None)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.snapshot = {s: {"frame": st.frame_idx, "objects": sorted(st.objects), "pending": sorted(st.pending)}
+                         for s, st in self._streams.items()}
 
     def list(self) -> dict[str, dict]:
-        with self._lock:
-            return {s: {"frame": st.frame_idx, "objects": sorted(st.objects), "pending": sorted(st.pending)}
-                    for s, st in self._streams.items()}
+        return self.snapshot
 
     def bank_entries(self) -> dict[tuple[str, int], int]:
-        with self._lock:
-            return {(s, o): b.entries() for s, st in self._streams.items() for o, b in st.objects.items()}
+        return {(s, o): b.entries() for s, st in self._streams.items() for o, b in st.objects.items()}
 
     # -- data plane -------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self, frames: list[tuple[str, FrameFeatures, tuple[int, int]]]) -> list[list[dict]]:
-        """Track every object of each given frame. `frames`: (stream, features, (H, W)), at most
-        one frame per stream per call, in stream order. Returns per frame a list of
-        {id, logits (1, 1, h, w) low-res mask scores, score}, to be rendered by `render`."""
-        with self._lock:
-            due: list[_Due] = []
-            for stream, feats, size in frames:
-                st = self._track(stream)
-                st.size = size
-                for obj_id, prompt in list(st.pending.items()):
-                    try:  # prompts given before the first frame are checked once its size is known
-                        prompt.check(size[1], size[0], f"stream {stream!r} object {obj_id}")
-                    except PromptError as err:
-                        st.pending.pop(obj_id)
-                        self.rejected.append((stream, obj_id, str(err)))
-                for obj_id in set(st.objects) | set(st.pending):
-                    prompt = st.pending.pop(obj_id, None)
-                    if prompt is not None:
-                        st.objects[obj_id] = ObjectBank(self.model.num_maskmem, self.model.max_obj_ptrs_in_encoder)
-                    due.append(_Due(stream, obj_id, st.objects[obj_id], st.frame_idx, feats, prompt))
-                st.frame_idx += 1
-            results: dict[int, dict] = {}
-            for i, d in enumerate(due):
-                if d.prompt is not None:
-                    results[i] = self._init_object(d)
-            groups: dict[tuple[int, int], list[int]] = {}
-            gathered = {}
-            for i, d in enumerate(due):
-                if d.prompt is None:
-                    gathered[i] = self._gather(d.bank, d.t)
-                    mem = gathered[i]
-                    groups.setdefault((mem[0].shape[0], mem[2]), []).append(i)
-            for idxs in groups.values():
-                for i, r in zip(idxs, self._track_batch([due[i] for i in idxs], [gathered[i] for i in idxs])):
-                    results[i] = r
-            out: list[list[dict]] = [[] for _ in frames]
-            order = {s: k for k, (s, _, _) in enumerate(frames)}
-            for i, d in enumerate(due):
-                out[order[d.stream]].append(dict(results[i], id=d.obj_id))
-            for lst in out:
-                lst.sort(key=lambda r: r["id"])
-            return out
+        """begin + track + commit: for a caller that owns the stage alone (tests, benchmarks)."""
+        staged = self.begin([s for s, _, _ in frames])
+        out, events = self.track(staged, frames)
+        self.commit(staged, events)
+        return out
 
-    def _init_object(self, d: _Due) -> dict:
-        """A prompt frame: SAM on this frame alone, then its memory (as the predictor's preflight does)."""
+    def begin(self, streams: list[str]) -> dict[str, StreamTrack]:
+        """Staged copies of these streams' state (unknown streams are left out)."""
+        return {s: self._streams[s].staged() for s in dict.fromkeys(streams) if s in self._streams}
+
+    def commit(self, staged: dict[str, StreamTrack], events: list[tuple[str, str, str]]) -> None:
+        for stream, st in staged.items():
+            if stream in self._streams:  # a stream removed meanwhile stays removed
+                self.object_failures[stream] += st.step_failures
+                st.step_failures = 0
+                self._streams[stream] = st
+        self.events.extend(events)
+        self._refresh()
+
+    @torch.inference_mode()
+    def track(self, staged: dict[str, StreamTrack], frames: list[tuple[str, FrameFeatures, tuple[int, int]]]
+              ) -> tuple[list[list[dict]], list[tuple[str, str, str]]]:
+        """Track every object of each given frame on the staged state. `frames`: (stream, features, (H, W)),
+        at most one frame per stream per call. Returns per frame a list sorted by object id of
+        {id, logits (1, 1, h, w) low-res mask scores, score} or {id, error}, and the events to publish."""
+        events: list[tuple[str, str, str]] = []
+        due = self._due(staged, frames, events)
+        results: dict[int, dict] = {}
+        for i, d in enumerate(due):
+            if d.prompt is not None:
+                try:
+                    results[i], bank = self._init_object(d, staged[d.stream].size)
+                except Exception as err:
+                    results[i] = self._failed(staged[d.stream], d, err, events)
+                    continue
+                st = staged[d.stream]
+                st.objects[d.obj_id] = bank
+                st.pending.pop(d.obj_id, None)
+                st.failures.pop(d.obj_id, None)
+        for idxs, outs in self._track_groups(due):
+            for i, out in zip(idxs, outs):
+                d, st = due[i], staged[due[i].stream]
+                if isinstance(out, BaseException):
+                    results[i] = self._failed(st, d, out, events)
+                    continue
+                d.bank.push(d.t, out.pop("memory"))
+                st.failures.pop(d.obj_id, None)
+                results[i] = out
+        out: list[list[dict]] = [[] for _ in frames]
+        order = {s: k for k, (s, _, _) in enumerate(frames)}
+        for i, d in enumerate(due):
+            out[order[d.stream]].append(dict(results[i], id=d.obj_id))
+        for lst in out:
+            lst.sort(key=lambda r: r["id"])
+        return out, events
+
+    def _due(self, staged: dict[str, StreamTrack], frames: list, events: list) -> list[_Due]:
+        due: list[_Due] = []
+        for stream, feats, size in frames:
+            st = staged[stream]
+            st.size = size
+            for obj_id, prompt in list(st.pending.items()):
+                try:  # prompts given before the first frame are checked once its size is known
+                    prompt.check(size[1], size[0], f"stream {stream!r} object {obj_id}")
+                except PromptError as err:
+                    st.pending.pop(obj_id)
+                    events.append((stream, "error", f"object {obj_id} rejected: {err}"))
+            for obj_id in sorted(set(st.objects) | set(st.pending)):
+                prompt = st.pending.get(obj_id)
+                due.append(_Due(stream, obj_id, None if prompt else st.objects[obj_id], st.frame_idx, feats, prompt))
+            st.frame_idx += 1
+        return due
+
+    def _track_groups(self, due: list[_Due]):
+        """(indices, outputs) per group of same-shaped memories: one batched call each; if it raises,
+        each object alone, so only the failing ones fail."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        gathered = {}
+        for i, d in enumerate(due):
+            if d.prompt is None:
+                try:
+                    gathered[i] = self._gather(d.bank, d.t)
+                except Exception as err:
+                    yield [i], [err]
+                    continue
+                groups.setdefault((gathered[i][0].shape[0], gathered[i][2]), []).append(i)
+        for idxs in groups.values():
+            try:
+                outs = self._track_batch([due[i] for i in idxs], [gathered[i] for i in idxs])
+            except Exception as err:
+                outs = [err] if len(idxs) == 1 else [self._track_one(due[i], gathered[i]) for i in idxs]
+            yield idxs, outs
+
+    def _track_one(self, d: _Due, gathered) -> dict | BaseException:
+        try:
+            return self._track_batch([d], [gathered])[0]
+        except Exception as err:
+            return err
+
+    def _failed(self, st: StreamTrack, d: _Due, err: BaseException, events: list) -> dict:
+        """One object's step failed: its bank (or pending prompt) stays as it was."""
+        st.step_failures += 1
+        n = st.failures[d.obj_id] = st.failures.get(d.obj_id, 0) + 1
+        why = f"{type(err).__name__}: {err}"
+        if n >= self.max_attempts:
+            st.objects.pop(d.obj_id, None)
+            st.pending.pop(d.obj_id, None)
+            st.failures.pop(d.obj_id, None)
+            what = "prompt rejected" if d.prompt is not None else "dropped"
+            events.append((d.stream, "error", f"object {d.obj_id} {what} after {n} failed steps in a row: {why}"))
+        return {"error": why}
+
+    def _init_object(self, d: _Due, size: tuple[int, int]) -> tuple[dict, ObjectBank]:
+        """A prompt frame: SAM on this frame alone, then its memory (as the predictor's preflight does).
+        Returns the result and the object's new bank."""
         m = self.model
-        h, w = self._streams[d.stream].size
+        h, w = size
         coords, labels = [], []
         if d.prompt.box is not None:
             coords += [d.prompt.box[:2], d.prompt.box[2:]]
@@ -257,8 +267,8 @@ class DecoderStage:
                                             pred_masks_high_res=high, object_score_logits=out["object_score_logits"],
                                             is_mask_from_pts=True)
         self._remember_pos(pos)
-        d.bank.cond = {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])}
-        return {"logits": masks, "score": out["object_score_logits"]}
+        bank = ObjectBank(m.num_maskmem, m.max_obj_ptrs_in_encoder, {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])})
+        return {"logits": masks, "score": out["object_score_logits"]}, bank
 
     def _fill_holes(self, masks: torch.Tensor) -> torch.Tensor:
         # Needs sam2's compiled CUDA extension; without it the predictor skips this step too (with a
@@ -327,7 +337,8 @@ class DecoderStage:
         return torch.cat(mems, dim=0), torch.cat(poss, dim=0), n_ptr_tokens
 
     def _track_batch(self, items: list[_Due], gathered: list) -> list[dict]:
-        """(b) memory attention, (c) mask decoder, (d) memory encoder: one call each for the group."""
+        """(b) memory attention, (c) mask decoder, (d) memory encoder: one call each for the group.
+        Returns per item {logits, score, memory}; the banks are not touched (the caller pushes)."""
         m = self.model
         B = len(items)
         self.calls.append(B)
@@ -358,11 +369,8 @@ class DecoderStage:
         self._remember_pos(pos)
         maskmem = maskmem.to(torch.bfloat16)
         filled = self._fill_holes(low)
-        out = []
-        for i, d in enumerate(items):
-            d.bank.push(d.t, Memory(maskmem[i:i + 1], obj_ptr[i:i + 1]))
-            out.append({"logits": filled[i:i + 1], "score": score[i:i + 1]})
-        return out
+        return [{"logits": filled[i:i + 1], "score": score[i:i + 1], "memory": Memory(maskmem[i:i + 1], obj_ptr[i:i + 1])}
+                for i in range(len(items))]
 
 
 def render(result: dict, height: int, width: int) -> dict:

@@ -1,0 +1,155 @@
+"""The engine core: one thread that owns the engine's state and drives the pools.
+
+As in vLLM's engine core, state has one owner and everything else sends it messages: the control
+socket, the CLI and `Engine.stop` call `call(fn)`, which queues `fn`; the core thread runs queued
+calls between steps, so adding or removing a stream never races a batch being formed. A step:
+apply messages; for each pool, pull ready frames, schedule, dispatch, watchdog; queue the eos of
+streams that are done; check the fault policy. Sockets, decoding and models run on other threads.
+
+Shutdown is a state machine: running -> draining (decoders stopped, pools finish what they hold,
+up to `shutdown_timeout_s`) -> aborting (what is left is dropped as shutdown) -> stopped. Engine
+death (a pool's fault policy, or this thread crashing) fails every frame in flight (engine_dead)
+and queues every stream's eos with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+from .frame import DropReason, FailReason
+from .pool import Pool
+from .stream_table import StreamTable
+
+log = logging.getLogger("vidar.core")
+
+
+class EngineCore:
+    def __init__(self, pools: dict[str, Pool], table: StreamTable, *, shutdown_timeout_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.pools, self.table = pools, table
+        self._shutdown_timeout_s, self._clock = shutdown_timeout_s, clock
+        self._inbox: deque = deque()
+        self._wake = threading.Event()
+        self.state = "created"   # running -> draining -> stopped
+        self._drain_until: Optional[float] = None
+        self.dead: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+
+    # -- other threads ------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.state = "running"
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run fn(*args) on the core thread between steps. If fn returns a Future, the returned future
+        follows it (e.g. a removal that completes when the stream's eos is queued)."""
+        fut: Future = Future()
+        if not self._thread.is_alive() and self.state != "created":
+            fut.set_exception(RuntimeError(f"the engine core is not running ({self.dead or self.state})"))
+            return fut
+        self._inbox.append((fn, args, fut))
+        self._wake.set()
+        return fut
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the core thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()  # before the work: anything arriving during it sets it again
+                self._apply_messages()
+                now = self._clock()
+                wakes = [pool.step(now) for pool in self.pools.values()]
+                self._check_dead()
+                self.table.poll()
+                if self.state == "draining" and self._drained(now):
+                    break
+                timeout = min([0.1] + [max(0.0, w - self._clock()) for w in wakes if w is not None])
+                self._wake.wait(timeout)
+        except BaseException as err:  # engine-dead: fail what is in flight, eos for every stream
+            log.exception("engine core crashed")
+            self._die(f"engine dead: core crashed: {type(err).__name__}: {err}")
+        finally:
+            self.state = "stopped"
+            self._fail_pending_messages()
+
+    def _apply_messages(self) -> None:
+        while self._inbox:
+            fn, args, fut = self._inbox.popleft()
+            try:
+                out = fn(*args)
+            except Exception as err:  # the caller gets it; the core goes on
+                fut.set_exception(err)
+                continue
+            if isinstance(out, Future):
+                out.add_done_callback(lambda f, fut=fut: _follow(fut, f))
+            else:
+                fut.set_result(out)
+
+    def _fail_pending_messages(self) -> None:
+        while self._inbox:
+            _, _, fut = self._inbox.popleft()
+            fut.set_exception(RuntimeError(f"the engine core stopped ({self.dead or 'shutdown'})"))
+
+    def _check_dead(self) -> None:
+        if self.dead is None:
+            reason = next((p.faults.dead for p in self.pools.values() if p.faults.dead), None)
+            if reason:
+                self._die(f"engine dead: {reason}")
+
+    def _die(self, reason: str) -> None:
+        """Every frame in flight fails (engine_dead) and every stream gets its eos with the reason."""
+        if self.dead is not None:
+            return
+        self.dead = reason
+        log.error("%s", reason)
+        try:
+            self.table.dead_reason = reason
+            self.table.stop_all(reason)
+            for pool in self.pools.values():
+                pool.abort(fail=FailReason.ENGINE_DEAD)
+            self.table.poll()
+        except Exception:  # best effort: the engine is dead already; the runtime exits 3
+            log.exception("while failing the frames in flight")
+
+    # -- shutdown -------------------------------------------------------------------------------------
+    def begin_stop(self, drain: bool) -> None:
+        """Core thread (via call): stop the decoders; drain for up to shutdown_timeout_s, or abort now."""
+        if self.state != "running":
+            return
+        self.state = "draining"
+        self.table.stop_all("shutdown")
+        self._drain_until = self._clock() + (self._shutdown_timeout_s if drain else 0.0)
+
+    def _drained(self, now: float) -> bool:
+        if self.table.all_done():
+            return True
+        if now < self._drain_until:
+            return False
+        log.warning("shutdown: drain timeout (%.1f s): dropping what is left", self._shutdown_timeout_s)
+        for pool in self.pools.values():
+            pool.abort(drop=DropReason.SHUTDOWN)
+        self.table.poll()
+        return True
+
+
+def _follow(outer: Future, inner: Future) -> None:
+    if inner.exception() is not None:
+        outer.set_exception(inner.exception())
+    else:
+        outer.set_result(inner.result())

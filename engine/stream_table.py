@@ -1,0 +1,217 @@
+"""The engine's streams: each one's rings (one per pool it feeds), decoder thread, and lifecycle.
+
+Owned by the engine core thread: `add`, `remove`, `poll` and `stop_all` run only there (other
+threads ask through `EngineCore.call`), so a removal can never race a batch in flight. Other
+threads read `snapshot()` (a list copy) for status lines and metrics.
+
+A stream's eos is queued at the publisher once no pool it feeds holds any of its frames (its
+rings are closed and empty, nothing in a scheduler, on a worker or in an output stage), so it
+follows the stream's last result. A removed stream is forgotten (counters, metric series,
+outbox) once its eos has been sent; an add of the same id waits for that.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from streams import open_source, redact_url
+from streams.runner import SourceRunner
+
+from .config import EngineConfig, StreamConfig
+from .errors import ControlError, SourceError
+from .fanout import RingGroup
+from .frame import DropReason
+from .pool import Pool
+from .publisher import Publisher
+from .ring import FrameRing
+
+log = logging.getLogger("vidar.engine")
+
+
+@dataclass(eq=False)
+class StreamEntry:
+    cfg: StreamConfig
+    pools: list[str]
+    rings: dict[str, FrameRing] = field(default_factory=dict)
+    runner: Optional[SourceRunner] = None
+    state: str = "running"            # running | ended | removing
+    failed: bool = False
+    reason: str = ""                  # why it ended, when the engine decided (removed, shutdown, error)
+    eos_queued: bool = False
+    eos_sent: bool = False
+    removal: Optional[Future] = None  # resolved when the eos of a removed stream is queued
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+    @property
+    def display_state(self) -> str:
+        if self.state == "removing":
+            return "removing"
+        if self.failed:
+            return "failed"
+        return self.runner.state if self.runner else self.state
+
+
+class StreamTable:
+    def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
+                 emit: Callable[[str, str, str], None], wake: Callable[[], None]):
+        self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
+        self._entries: dict[str, StreamEntry] = {}
+        self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
+        self._zombies: list[SourceRunner] = []  # decoder threads of removed streams still finishing a read
+        self.dead_reason: Optional[str] = None
+
+    # -- reads (any thread) --------------------------------------------------------------------
+    def snapshot(self) -> list[StreamEntry]:
+        return list(self._entries.values())
+
+    def get(self, stream: str) -> Optional[StreamEntry]:
+        return self._entries.get(stream)
+
+    # -- core thread ------------------------------------------------------------------------------
+    def add(self, scfg: StreamConfig, fut: Optional[Future] = None) -> Future:
+        """Start a stream. The future resolves when it runs, or with a ControlError."""
+        fut = fut or Future()
+        old = self._entries.get(scfg.id)
+        if old is not None and old.state != "removing":
+            fut.set_exception(ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first"))
+            return fut
+        running = sum(e.state == "running" for e in self._entries.values())
+        if running >= self.cfg.max_streams:
+            fut.set_exception(ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running; "
+                                           "remove one first or raise max_streams"))
+            return fut
+        pools = scfg.pools or list(self._pools)
+        unknown = [p for p in pools if p not in self._pools]
+        if unknown:
+            fut.set_exception(ControlError(f"add_stream: stream.pools: {unknown} not configured; "
+                                           f"configured: {sorted(self._pools)}"))
+            return fut
+        if old is not None:  # the same id is still being removed: start once its eos is out
+            self._deferred.append((scfg, fut))
+            return fut
+        self._start(scfg, pools)
+        fut.set_result(scfg.id)
+        return fut
+
+    def _start(self, scfg: StreamConfig, pools: list[str]) -> None:
+        entry = StreamEntry(scfg, pools)
+        live = scfg.mode == "live"
+        r = self.cfg.ring
+        for name in pools:
+            pool = self._pools[name]
+            entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
+                                          min_slots=r.min_slots, max_slots=r.max_slots,
+                                          max_frame_pixels=r.max_frame_pixels, notify=self._wake)
+        self._entries[scfg.id] = entry
+        for name in pools:
+            self._pools[name].attach(entry.rings[name])
+        rings = list(entry.rings.values())
+        sink = rings[0] if len(rings) == 1 else RingGroup(rings)
+        src = self.cfg.source
+        try:
+            source = open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
+                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=r.max_frame_pixels)
+        except SourceError as err:  # bad URL syntax: this stream fails, the others run
+            log.error("%s", err)
+            self._emit(scfg.id, "error", err.reason)
+            entry.failed, entry.reason = True, f"error: {err.reason}"
+            sink.close()
+            return
+        entry.runner = SourceRunner(source, sink, live=live, loop=scfg.loop, budget_s=self.cfg.budget.latency_ms / 1e3,
+                                    emit=self._emit, reconnect_initial_s=src.reconnect_initial_s,
+                                    reconnect_max_s=src.reconnect_max_s)
+        entry.runner.start()
+
+    def remove(self, stream: str) -> Future:
+        """Stop a stream: its decoder stops, frames queued in rings and schedulers are dropped
+        (stream_removed), frames on workers are dropped by the output stages or were published before,
+        then one eos "removed". The future resolves when that eos is queued."""
+        entry = self._entries.get(stream)
+        if entry is None or entry.state == "removing":
+            fut: Future = Future()
+            live = sorted(s for s, e in self._entries.items() if e.state != "removing")
+            fut.set_exception(ControlError(f"remove_stream: unknown stream {stream!r}; streams: {live}"))
+            return fut
+        entry.removal = Future()
+        if entry.eos_queued:  # it had ended already: its eos is out (or on its way); just forget it
+            entry.state = "removing"
+            entry.removal.set_result(None)
+            return entry.removal
+        entry.state, entry.reason = "removing", "removed"
+        if entry.runner:
+            entry.runner.stop()
+            self._zombies.append(entry.runner)
+        for name in entry.pools:
+            self._pools[name].detach(stream, DropReason.STREAM_REMOVED)
+        log.info("stream %s removed", stream)
+        return entry.removal
+
+    def stop_all(self, reason: str) -> None:
+        """Shutdown or engine death: decoders stop, rings close; what was decoded is still processed
+        (drain) unless the pools are aborted."""
+        for entry in self._entries.values():
+            if not entry.reason and not entry.eos_queued:
+                entry.reason = reason
+            if entry.runner:
+                entry.runner.stop()
+            else:
+                for ring in entry.rings.values():
+                    ring.close()
+
+    def poll(self) -> None:
+        """Queue the eos of every stream that is done, forget removed streams whose eos went out."""
+        for entry in list(self._entries.values()):
+            if not entry.eos_queued and self._done(entry):
+                self._queue_eos(entry)
+            if entry.state == "removing" and entry.eos_sent:
+                self._forget(entry)
+        self._zombies = [r for r in self._zombies if r.alive]
+
+    def _done(self, entry: StreamEntry) -> bool:
+        # A closed ring takes no more frames (its decoder thread may still be leaving a blocking read).
+        return all(self._pools[name].stream_idle(entry.id) for name in entry.pools)
+
+    def _queue_eos(self, entry: StreamEntry) -> None:
+        entry.eos_queued = True
+        runner = entry.runner
+        if runner is not None and runner.failed:
+            entry.failed = True
+        if entry.state == "running":
+            entry.state = "ended"
+        if entry.reason == "removed":
+            reason = "removed"
+        elif self.dead_reason:
+            reason = self.dead_reason
+        elif runner is not None and runner.end_reason not in ("", "stopped"):  # it ended by itself
+            reason = runner.end_reason
+        else:
+            reason = entry.reason or "end of stream"
+
+        def sent() -> None:
+            entry.eos_sent = True
+            self._wake()
+        self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent)
+        if entry.removal is not None and not entry.removal.done():
+            entry.removal.set_result(None)
+
+    def _forget(self, entry: StreamEntry) -> None:
+        del self._entries[entry.id]
+        for name in entry.pools:
+            self._pools[name].acct.forget(entry.id)
+        self._publisher.forget(entry.id)
+        for scfg, fut in [d for d in self._deferred if d[0].id == entry.id]:
+            self._deferred.remove((scfg, fut))
+            self.add(scfg, fut)
+
+    def all_done(self) -> bool:
+        return all(e.eos_queued for e in self._entries.values())
+
+    def describe(self, stream: str) -> dict:
+        e = self._entries[stream]
+        return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools)}

@@ -1,0 +1,39 @@
+"""Model families as plug-ins: the engine builds a pool for each configured `models.<name>` through
+this table and names no family itself. A family module provides `build_pool(cfg, workers=None,
+factory=None) -> PoolSpec`; workers may be injected (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from ..errors import ConfigError
+from .base import OutputProcessor, Worker
+
+# pool name (the `models.<name>` key, the message type and topic prefix) -> module with build_pool
+FAMILIES = {"classify": "engine.workers.classify", "sam2": "engine.workers.sam2"}
+# control ops served by a family's output processor, for the error that says which pool is missing
+FAMILY_OPS = {"sam2": ("add_object", "remove_object", "reset_stream")}
+
+
+@dataclass
+class PoolSpec:
+    name: str
+    workers: list[Worker]
+    factory: Optional[Callable[[], Worker]]   # a fresh instance after a failure (shares the model)
+    max_batch: int
+    threads: Optional[int] = None             # intra-op threads per worker on the CPU
+    processor: Optional[OutputProcessor] = None  # run on the pool's output thread
+
+
+def build_pool(name: str, cfg, workers: Optional[list[Worker]] = None,
+               factory: Optional[Callable[[], Worker]] = None) -> PoolSpec:
+    if name not in FAMILIES:
+        raise ConfigError(f"models.{name}: no such model family; known: {sorted(FAMILIES)}")
+    module = importlib.import_module(FAMILIES[name])
+    return module.build_pool(cfg, workers=workers, factory=factory)
+
+
+def pool_for_op(op: str) -> Optional[str]:
+    return next((name for name, ops in FAMILY_OPS.items() if op in ops), None)
