@@ -133,7 +133,7 @@ def test_safetensors_weights(tmp_path):
 
 
 @pytest.mark.parametrize("weights, message", [
-    ("/nonexistent/w.pth", r"models.vit.weights: file '/nonexistent/w.pth' not found"),
+    ("/nonexistent/w.pth", r"models.classify.weights: file '/nonexistent/w.pth' not found"),
 ])
 def test_weights_errors(weights, message):
     with pytest.raises(WeightsError, match=message):
@@ -148,7 +148,7 @@ def test_garbage_weights_file(tmp_path):
 
 
 def test_unknown_model_name():
-    with pytest.raises(ConfigError, match=r"models.vit.name: 'vit_hyuge_patch16' is not a timm model; close names"):
+    with pytest.raises(ConfigError, match=r"models.classify.name: 'vit_hyuge_patch16' is not a timm model; close names"):
         ClassifierWorker(VitConfig(name="vit_hyuge_patch16", weights="random", device="cpu"))
 
 
@@ -157,7 +157,7 @@ def test_pretrained_without_internet_says_what_to_do(monkeypatch):
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(WeightsError, match=r"could not download pretrained weights for 'test_vit'.*"
-                                           r"set models.vit.weights to a local state_dict file or to 'random'"):
+                                           r"set models.classify.weights to a local state_dict file or to 'random'"):
         ClassifierWorker(VitConfig(name=MODEL, weights="pretrained", device="cpu"))
 
 

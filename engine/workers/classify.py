@@ -1,59 +1,33 @@
 """Image classification worker for any timm classifier (ViT by default).
 
 The preprocessing contract (input size, interpolation, crop, mean, std) comes from the model's
-own pretrained config through timm (`resolve_data_config` + `create_transform`). We take the
-geometric steps of timm's eval transform as they are and run them either:
-  * exact: on PIL images, i.e. timm's own pipeline bit for bit (~6 ms a 720p frame on 2 cores);
-  * fast:  on uint8 tensors (torchvision's antialiased resize; on the GPU when there is one),
-           ~0.9 ms a 720p frame on the CPU; differs from PIL by at most one intensity level on
-           well under 1 % of pixels (logits within ~1e-3 relative, measured).
-Normalisation is batched on tensors with the same float ops as timm's ToTensor + Normalize.
+own pretrained config through timm (`resolve_data_config` + `create_transform`): `timm_contract`
+keeps the geometric steps of timm's eval transform as they are, and the shared `Preprocessor`
+(models/preprocess.py) runs them `exact` (timm's PIL pipeline bit for bit) or `fast` (uint8
+tensors, on the GPU when there is one), then normalises with timm's ToTensor + Normalize float ops.
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from ..config import ClassifyConfig
-from ..errors import ConfigError, WeightsError
+from ..errors import ConfigError
 from .base import Worker, time_batches
+from .models import (InputContract, Preprocessor, fetch_pretrained, load_strict, read_state_dict, resolve_device,
+                     resolve_dtype)
 from .registry import PoolSpec
 
-log = logging.getLogger("vidar.vit")
+log = logging.getLogger("vidar.classify")
 
+KEY = "models.classify"
+#: the steps of timm's eval transform that are not geometry: the Preprocessor's batched normalisation does them
 _TENSOR_STEPS = ("ToTensor", "MaybeToTensor", "Normalize", "MaybePILToTensor")
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("models.vit.device: 'cuda' asked for but no CUDA GPU is available; use 'auto' or 'cpu'")
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def _load_state_dict(path: Path) -> dict:
-    if not path.is_file():
-        raise WeightsError(f"models.vit.weights: file {str(path)!r} not found (use 'pretrained', 'random' or a path)")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-            sd = load_file(str(path))
-        else:
-            sd = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as err:  # the loaders raise many types; the message names the file
-        raise WeightsError(f"models.vit.weights: cannot read {str(path)!r}: {err}") from err
-    for key in ("state_dict", "model"):  # common checkpoint wrappers
-        if isinstance(sd, dict) and isinstance(sd.get(key), dict):
-            sd = sd[key]
-    if not isinstance(sd, dict):
-        raise WeightsError(f"models.vit.weights: {str(path)!r} does not hold a state_dict")
-    return sd
 
 
 def build_classifier(name: str, weights: str) -> tuple[torch.nn.Module, str]:
@@ -61,33 +35,34 @@ def build_classifier(name: str, weights: str) -> tuple[torch.nn.Module, str]:
     import timm
 
     if not timm.is_model(name):
-        close = timm.list_models(f"*{name.split('_')[0]}*")[:8]
-        raise ConfigError(f"models.vit.name: {name!r} is not a timm model; close names: {close}")
+        close = difflib.get_close_matches(name, timm.list_models(), n=8, cutoff=0.6)
+        raise ConfigError(f"{KEY}.name: {name!r} is not a timm model; close names: {close}")
     if weights == "random":
-        log.warning("models.vit: %s runs on RANDOM weights: its labels mean nothing; "
-                    "every result is marked weights='random'", name)
+        log.warning("%s: %s runs on RANDOM weights: its labels mean nothing; "
+                    "every result is marked weights='random'", KEY, name)
         return timm.create_model(name, pretrained=False), "random"
     if weights == "pretrained":
-        try:
-            return timm.create_model(name, pretrained=True), "pretrained"
-        except Exception as err:  # hub/network errors come in many types
-            raise WeightsError(
-                f"models.vit.weights: could not download pretrained weights for {name!r} ({type(err).__name__}: "
-                f"{str(err)[:200]}). Without internet, set models.vit.weights to a local state_dict file "
-                "or to 'random'") from err
+        return fetch_pretrained(lambda: timm.create_model(name, pretrained=True), f"{KEY}.weights",
+                                what=f"pretrained weights for {name!r}"), "pretrained"
     path = Path(weights)
-    sd = _load_state_dict(path)
+    sd = read_state_dict(path, f"{KEY}.weights")
     probe = timm.create_model(name, pretrained=False)
     head = probe.pretrained_cfg.get("classifier", "head")
     head_w = sd.get(f"{head}.weight")
     kwargs = {"num_classes": int(head_w.shape[0])} if head_w is not None else {}
     model = timm.create_model(name, pretrained=False, **kwargs) if kwargs else probe
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise WeightsError(f"models.vit.weights: {path.name} does not fit {name}: "
-                           f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                           f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    load_strict(model, sd, f"{KEY}.weights", source=path.name, target=name)
     return model, path.name
+
+
+def timm_contract(model: torch.nn.Module) -> InputContract:
+    """The model's own preprocessing (its pretrained config through timm), as an InputContract:
+    the geometric steps of timm's eval transform as they are; ToTensor + Normalize in the Preprocessor."""
+    from timm.data import create_transform, resolve_data_config
+
+    data_config = resolve_data_config(model=model)
+    full = create_transform(**data_config, is_training=False)
+    return InputContract(data_config, tuple(t for t in full.transforms if type(t).__name__ not in _TENSOR_STEPS))
 
 
 def class_labels(model: torch.nn.Module) -> list[str]:
@@ -103,55 +78,6 @@ def class_labels(model: torch.nn.Module) -> list[str]:
     return [f"class_{i}" for i in range(n)]
 
 
-def _tensor_step(t: Any) -> Any:
-    """timm builds torchvision v1 transforms; on uint8 tensors v1 resizes bicubic in float (~8 ms
-    a 720p frame here) while v2 has a native uint8 kernel (~0.9 ms). Same parameters, v2 class."""
-    from torchvision.transforms import CenterCrop, Resize, v2
-
-    if type(t) is Resize:
-        return v2.Resize(t.size, interpolation=t.interpolation, max_size=t.max_size, antialias=True)
-    if type(t) is CenterCrop:
-        return v2.CenterCrop(t.size)
-    return t  # timm's own steps (ResizeKeepRatio, CenterCropOrPad) work on tensors as they are
-
-
-class Preprocessor:
-    """The model's eval transform, split into geometric steps (per frame) and normalisation (batched)."""
-
-    def __init__(self, model: torch.nn.Module, mode: str, device: torch.device, dtype: torch.dtype):
-        from timm.data import create_transform, resolve_data_config
-
-        self.data_config = resolve_data_config(model=model)
-        full = create_transform(**self.data_config, is_training=False)
-        self.geometric = [t for t in full.transforms if type(t).__name__ not in _TENSOR_STEPS]
-        if mode == "fast":
-            self.geometric = [_tensor_step(t) for t in self.geometric]
-        self.mode, self.device, self.dtype = mode, device, dtype
-        self.mean = torch.tensor(self.data_config["mean"], device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(self.data_config["std"], device=device).view(1, -1, 1, 1)
-
-    def _geometry(self, img: Any) -> Any:
-        for t in self.geometric:
-            img = t(img)
-        return img
-
-    def __call__(self, frames: Sequence[torch.Tensor]) -> torch.Tensor:
-        """frames: (H, W, 3) uint8 RGB tensors (ring slots). Returns a normalised NCHW batch."""
-        if self.mode == "exact":
-            from PIL import Image
-            crops = [torch.from_numpy(np.array(self._geometry(Image.fromarray(f.numpy())))).permute(2, 0, 1)
-                     for f in frames]
-            x = torch.stack(crops).to(self.device)
-        else:
-            # On CUDA the slot is pinned, so the upload is an async DMA; the caller syncs before
-            # releasing the slot. Resizing runs where the pixels are.
-            crops = [self._geometry(f.to(self.device, non_blocking=True).permute(2, 0, 1)) for f in frames]
-            x = torch.stack(crops)
-        # Same float ops, in the same order, as timm's ToTensor (div 255) + Normalize (sub, div).
-        x = x.float().div(255).sub(self.mean).div(self.std)
-        return x.to(self.dtype)
-
-
 class ClassifierWorker(Worker):
     """Top-k classes (and optionally the pooled embedding) per frame."""
 
@@ -159,11 +85,8 @@ class ClassifierWorker(Worker):
 
     def __init__(self, cfg: ClassifyConfig, *, model: torch.nn.Module | None = None, weights_tag: str | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
-        if cfg.dtype == "auto":
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            self.dtype = getattr(torch, cfg.dtype)
+        self.device = resolve_device(cfg.device, f"{KEY}.device")
+        self.dtype = resolve_dtype(cfg.dtype, self.device, f"{KEY}.dtype")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         if model is None:
@@ -171,7 +94,7 @@ class ClassifierWorker(Worker):
         self.weights_tag = weights_tag or "random"
         self.model = model.eval().to(self.device, self.dtype)
         self.labels = class_labels(self.model)
-        self.pre = Preprocessor(self.model, cfg.preprocess, self.device, self.dtype)
+        self.pre = Preprocessor(timm_contract(self.model), cfg.preprocess, self.device, self.dtype)
         self.topk = min(cfg.topk, self.model.num_classes)
         # One CUDA stream per instance, so instances sharing the GPU overlap uploads and compute.
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

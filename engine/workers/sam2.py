@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from ..config import ObjectConfig, Sam2Config
 from ..errors import ControlError
 from .base import OutputProcessor, Worker, time_batches
-from .classify import resolve_device
-from .sam2_model import build_sam2_model, preprocess
+from .models import Preprocessor, resolve_device
 from .registry import PoolSpec
+from .sam2_model import KEY, build_sam2_model, sam2_contract
 from .sam2_tracker import DecoderStage, Prompt, encode, render
 
 
@@ -24,13 +24,14 @@ class Sam2EncoderWorker(Worker):
 
     def __init__(self, cfg: Sam2Config, *, model: torch.nn.Module | None = None, weights_tag: str | None = None):
         self.cfg = cfg
-        self.device = resolve_device(cfg.device)
+        self.device = resolve_device(cfg.device, f"{KEY}.device")
         if model is None:
             model, weights_tag = build_sam2_model(cfg.config, cfg.checkpoint, cfg.image_size, self.device)
         self.model, self.weights_tag = model, weights_tag or "random"
+        self.pre = Preprocessor(sam2_contract(self.model.image_size), cfg.preprocess, self.device)
 
     def prepare(self, frames: Sequence) -> torch.Tensor:
-        x = preprocess([f.pixels for f in frames], self.cfg.image_size, self.cfg.preprocess, self.device)
+        x = self.pre([f.pixels for f in frames])
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # uploads done: the ring slots may be reused
         return x
@@ -39,8 +40,8 @@ class Sam2EncoderWorker(Worker):
         return [{"_features": f} for f in encode(self.model, inputs)]
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
-        s = self.cfg.image_size
-        return time_batches(lambda x: encode(self.model, x), lambda b: torch.randn(b, 3, s, s, device=self.device),
+        c, h, w = self.pre.data_config["input_size"]
+        return time_batches(lambda x: encode(self.model, x), lambda b: torch.randn(b, c, h, w, device=self.device),
                             batch_sizes, self.device)
 
     def close(self) -> None:

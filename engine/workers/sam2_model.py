@@ -1,4 +1,5 @@
-"""Building SAM 2 for streaming: config by name, strict checkpoints, the model's input contract.
+"""Building SAM 2 for streaming: config by name, official or local checkpoints loaded strictly, the
+model's input contract.
 
 The model is built exactly as `sam2.build_sam.build_sam2_video_predictor` builds it (same class,
 same post-processing options), so vidar's masks can be compared with Meta's predictor. Only
@@ -9,21 +10,20 @@ following it (size / 16).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from ..errors import ConfigError, WeightsError
+from ..errors import ConfigError
+from .models import InputContract, Preprocessor, hub_file, load_strict, read_state_dict
 
 log = logging.getLogger("vidar.sam2")
 
-# The predictor's own normalisation (sam2/utils/misc.py: load_video_frames).
-IMG_MEAN = (0.485, 0.456, 0.406)
-IMG_STD = (0.229, 0.224, 0.225)
+KEY = "models.sam2"
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,7 +53,7 @@ def config_path(name: str) -> str:
     configs = available_configs()
     key = Path(name).name.removesuffix(".yaml")
     if key not in configs:
-        raise ConfigError(f"models.sam2.config: {name!r} is not a config of the installed sam2 package; "
+        raise ConfigError(f"{KEY}.config: {name!r} is not a config of the installed sam2 package; "
                           f"available: {sorted(configs)}")
     return configs[key]
 
@@ -65,65 +65,78 @@ def size_overrides(image_size: int) -> list[str]:
             f"++model.memory_attention.layer.cross_attention.feat_sizes=[{f},{f}]"]
 
 
-def load_checkpoint_strict(model: torch.nn.Module, path: str) -> None:
-    """The official format, {"model": state_dict}; missing or unexpected keys fail at start-up."""
-    p = Path(path)
-    if not p.is_file():
-        raise WeightsError(f"models.sam2.checkpoint: file {path!r} not found "
-                           "(download the official checkpoint, or use 'random')")
-    try:
-        ckpt = torch.load(str(p), map_location="cpu", weights_only=True)
-    except Exception as err:  # torch.load raises many types; the message names the file
-        raise WeightsError(f"models.sam2.checkpoint: cannot read {path!r}: {err}") from err
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict):
-        raise WeightsError(f"models.sam2.checkpoint: {p.name} is not in the official format {{'model': state_dict}}")
-    missing, unexpected = model.load_state_dict(ckpt["model"], strict=False)
-    if missing or unexpected:
-        raise WeightsError(f"models.sam2.checkpoint: {p.name} does not fit this config: "
-                           f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                           f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+@functools.lru_cache(maxsize=1)
+def official_checkpoints() -> dict[str, tuple[str, str]]:
+    """Config path (`configs/sam2.1/sam2.1_hiera_t.yaml`) -> (Hugging Face model id, checkpoint file name),
+    from sam2's own table (`sam2.build_sam.HF_MODEL_ID_TO_FILENAMES`), so the two cannot drift apart."""
+    from sam2.build_sam import HF_MODEL_ID_TO_FILENAMES
+
+    return {cfg: (model_id, filename) for model_id, (cfg, filename) in HF_MODEL_ID_TO_FILENAMES.items()}
+
+
+def pretrained_checkpoint(config: str) -> str:
+    """The official checkpoint of a config: from the Hugging Face cache, or downloaded into it. Returns its path."""
+    official = official_checkpoints()
+    path = config_path(config)
+    if path not in official:
+        names = sorted(Path(c).stem for c in official)
+        raise ConfigError(f"{KEY}.checkpoint: 'pretrained', but config {config!r} has no official checkpoint "
+                          f"(official: {names}); set {KEY}.checkpoint to a local checkpoint file or to 'random'")
+    repo_id, filename = official[path]
+    return hub_file(repo_id, filename, f"{KEY}.checkpoint", what=f"the official checkpoint {repo_id}/{filename}",
+                    local="checkpoint file ({'model': state_dict})")
+
+
+def sam2_contract(image_size: int) -> InputContract:
+    """SAM 2's video input, as its video predictor reads frames (sam2/utils/misc.py: `load_video_frames`,
+    called with its defaults): a square bicubic PIL resize to image_size, `/ 255`, then the loader's
+    default mean and std, read from its signature so they cannot drift apart."""
+    from sam2.utils.misc import load_video_frames
+    from torchvision.transforms import InterpolationMode, Resize
+
+    params = inspect.signature(load_video_frames).parameters
+    mean, std = tuple(params["img_mean"].default), tuple(params["img_std"].default)
+    data_config = {"input_size": (3, image_size, image_size), "interpolation": "bicubic", "mean": mean, "std": std,
+                   "crop_pct": 1.0, "crop_mode": "squash"}
+    # v1 Resize on a PIL image is `img.resize((S, S), BICUBIC)`, the loader's call (bicubic is PIL's default)
+    resize = Resize((image_size, image_size), interpolation=InterpolationMode.BICUBIC)
+    return InputContract(data_config, (resize,))
 
 
 def build_sam2_model(config: str, checkpoint: str, image_size: int, device: torch.device) -> tuple[torch.nn.Module, str]:
-    """Returns (model, weights tag). `checkpoint` is a path or 'random'."""
+    """Returns (model, weights tag). `checkpoint`: 'pretrained' (the config's official checkpoint, from the
+    Hugging Face cache or downloaded), 'random', or the path of a checkpoint in the official format."""
     from sam2.build_sam import build_sam2_video_predictor
 
-    model = build_sam2_video_predictor(config_path(config), ckpt_path=None, device="cpu",
+    path = config_path(config)
+    # the checkpoint first: no internet fails in a moment, before the model is built
+    ckpt = pretrained_checkpoint(config) if checkpoint == "pretrained" else checkpoint
+    model = build_sam2_video_predictor(path, ckpt_path=None, device="cpu",
                                        hydra_overrides_extra=size_overrides(image_size))
+    if model.non_overlap_masks_for_mem_enc:  # it mixes objects along the batch: unsafe for batched decoding
+        raise ConfigError(f"{KEY}.config: {config} sets non_overlap_masks_for_mem_enc, which vidar's "
+                          "batched decoder cannot honour")
     if checkpoint == "random":
-        log.warning("models.sam2: %s runs on RANDOM weights: masks mean nothing; every result is marked "
-                    "weights='random'", config)
+        log.warning("%s: %s runs on RANDOM weights: masks mean nothing; every result is marked "
+                    "weights='random'", KEY, config)
         tag = "random"
     else:
-        load_checkpoint_strict(model, checkpoint)
-        tag = Path(checkpoint).name
-    if model.non_overlap_masks_for_mem_enc:  # it mixes objects along the batch: unsafe for batched decoding
-        raise ConfigError(f"models.sam2.config: {config} sets non_overlap_masks_for_mem_enc, which vidar's "
-                          "batched decoder cannot honour")
+        sd = read_state_dict(ckpt, f"{KEY}.checkpoint", wrapper="model")
+        load_strict(model, sd, f"{KEY}.checkpoint", source=Path(ckpt).name, target="this config")
+        tag = "pretrained" if checkpoint == "pretrained" else Path(ckpt).name
     return model.to(device).eval(), tag
 
 
-def preprocess(frames: Sequence[torch.Tensor], image_size: int, mode: str, device: torch.device) -> torch.Tensor:
-    """(H, W, 3) uint8 RGB frames -> normalised (N, 3, S, S) float32, SAM 2's video input contract.
+@functools.lru_cache(maxsize=8)
+def _preprocessor(image_size: int, mode: str, device: torch.device) -> Preprocessor:
+    return Preprocessor(sam2_contract(image_size), mode, device)
 
-    exact: PIL resize (bicubic) then /255 in float64, as sam2's JPEG loader does, bit for bit.
+
+def preprocess(frames: Sequence[torch.Tensor], image_size: int, mode: str, device: torch.device) -> torch.Tensor:
+    """(H, W, 3) uint8 RGB frames -> normalised (N, 3, S, S) float32, SAM 2's video input contract
+    (for tests and benchmarks; the encoder worker keeps its own Preprocessor).
+
+    exact: PIL resize (bicubic) then /255, as sam2's frame loader does, bit for bit.
     fast:  torchvision's uint8 antialiased bicubic resize (GPU when present); <= 1 level off PIL.
     """
-    mean = torch.tensor(IMG_MEAN, dtype=torch.float32, device=device)[:, None, None]
-    std = torch.tensor(IMG_STD, dtype=torch.float32, device=device)[:, None, None]
-    if mode == "exact":
-        from PIL import Image
-        out = torch.empty(len(frames), 3, image_size, image_size, dtype=torch.float32)
-        for i, f in enumerate(frames):
-            arr = np.array(Image.fromarray(f.numpy()).resize((image_size, image_size))) / 255.0
-            out[i] = torch.from_numpy(arr).permute(2, 0, 1)
-        x = out.to(device)
-    else:
-        from torchvision.transforms import InterpolationMode
-        from torchvision.transforms.v2 import functional as F
-        x = torch.stack([F.resize(f.to(device, non_blocking=True).permute(2, 0, 1), [image_size, image_size],
-                                  interpolation=InterpolationMode.BICUBIC, antialias=True) for f in frames])
-        x = x.float() / 255.0
-    x -= mean
-    x /= std
-    return x
+    return _preprocessor(image_size, mode, device)(frames)
