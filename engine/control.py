@@ -49,8 +49,6 @@ def _wait(fut: Future, timeout: float, op: str) -> Any:
         return fut.result(timeout)
     except FutureTimeout:
         raise ControlError(f"{op}: no answer from the engine within {timeout:g} s (overloaded? try again)") from None
-    except RuntimeError as err:  # the core or an output stage has stopped
-        raise ControlError(f"{op}: {err}") from None
 
 
 def handle(engine, req: Any, timeout: float = 10.0) -> dict:

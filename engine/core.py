@@ -21,6 +21,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
+from .errors import ControlError
 from .frame import DropReason, FailReason
 from .pool import Pool
 from .stream_table import StreamTable
@@ -53,7 +54,7 @@ class EngineCore:
         follows it (e.g. a removal that completes when the stream's eos is queued)."""
         fut: Future = Future()
         if not self._thread.is_alive() and self.state != "created":
-            fut.set_exception(RuntimeError(f"the engine core is not running ({self.dead or self.state})"))
+            fut.set_exception(ControlError(f"the engine core is not running ({self.dead or self.state})"))
             return fut
         self._inbox.append((fn, args, fut))
         self._wake.set()
@@ -104,7 +105,7 @@ class EngineCore:
     def _fail_pending_messages(self) -> None:
         while self._inbox:
             _, _, fut = self._inbox.popleft()
-            fut.set_exception(RuntimeError(f"the engine core stopped ({self.dead or 'shutdown'})"))
+            fut.set_exception(ControlError(f"the engine core stopped ({self.dead or 'shutdown'})"))
 
     def _check_dead(self) -> None:
         if self.dead is None:

@@ -61,3 +61,71 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
     assert p.returncode == 0, err
     assert len(status) == 2, (status, err)
     assert "out" in status[1] and "p50" in status[1] and "dropped:" in status[1]
+
+
+def _start_error_cases(tmp_path):
+    """(case id, config patch, env, the key the one line must name) for errors found while starting."""
+    import socket
+
+    import torch
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    busy_port = busy.getsockname()[1]
+    other = tmp_path / "other.pth"
+    torch.save({"weight": torch.zeros(3)}, other)
+    sam = {"config": "sam2.1_hiera_t", "image_size": 256, "checkpoint": "random"}
+    cases = [
+        ("unknown model", {"models": {"classify": {"name": "vit_hyuge_patch16"}}}, {}, "models.classify.name"),
+        ("unknown sam2 config", {"models": {"sam2": dict(sam, config="sam2.1_hiera_xl")}}, {}, "models.sam2.config"),
+        ("missing weights", {"models": {"classify": {"weights": str(tmp_path / "nope.pth")}}}, {},
+         "models.classify.weights"),
+        ("mismatched weights", {"models": {"classify": {"weights": str(other)}}}, {}, "models.classify.weights"),
+        ("sam2 pretrained offline", {"models": {"sam2": dict(sam, checkpoint="pretrained")}},
+         {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}, "models.sam2.checkpoint"),
+        ("busy publish port", {"publish": {"endpoint": f"tcp://127.0.0.1:{busy_port}"}}, {}, "publish.endpoint"),
+        ("busy metrics port", {"metrics": {"enabled": True, "port": busy_port}}, {}, "metrics.port"),
+        ("busy control port", {"control": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{busy_port}"}}, {},
+         "control.endpoint"),
+        ("missing curve key", {"security": {"curve": True, "server_key": str(tmp_path / "none.key_secret"),
+                                            "authorized_clients": str(tmp_path)}}, {}, "security.server_key"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append(("cuda without a gpu", {"models": {"classify": {"device": "cuda"}}}, {}, "models.classify.device"))
+    return busy, cases
+
+
+def test_every_start_error_exits_2_with_one_line_naming_the_key(tmp_path):
+    """Errors found while starting are configuration errors: exit 2 and one line that names the key and
+    says what to do, never exit 3 (engine dead) as the first engine did for a bad model or weights file."""
+    import os
+    busy, cases = _start_error_cases(tmp_path)
+    procs = []
+    try:
+        for i, (case, patch, env, key) in enumerate(cases):
+            cfg = {"streams": [{"id": "s", "url": "synthetic://shapes?size=64x64&fps=10"}],
+                   "models": {"classify": {"name": "test_vit", "weights": "random", "device": "cpu"}},
+                   "publish": {"endpoint": f"tcp://127.0.0.1:{free_port()}"},
+                   "metrics": {"enabled": False}, "control": {"enabled": False}}
+            for section, value in patch.items():
+                if section == "models":
+                    cfg["models"] = {k: ({**cfg["models"].get(k, {}), **v} if k in cfg["models"] else v)
+                                     for k, v in {**({} if "sam2" in value else cfg["models"]), **value}.items()}
+                else:
+                    cfg[section] = value
+            path = tmp_path / f"c{i}.yaml"
+            path.write_text(yaml.safe_dump(cfg))
+            procs.append((case, key, subprocess.Popen(VIDAR + ["run", str(path)], stdout=subprocess.PIPE,
+                                                      stderr=subprocess.PIPE, text=True, env={**os.environ, **env})))
+            if len(procs) % 3 == 0:  # three at a time: each one imports torch
+                procs[-3][2].wait(240)
+        for case, key, p in procs:
+            out, err = p.communicate(timeout=240)
+            lines = [line for line in err.splitlines() if line.startswith("vidar: ")]
+            assert p.returncode == 2, (case, p.returncode, err[-2000:])
+            assert len(lines) == 1 and lines[0].startswith(f"vidar: {key}"), (case, err[-2000:])
+    finally:
+        busy.close()
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -13,6 +13,7 @@ from engine.workers.sam2_model import build_sam2_model, preprocess
 from engine.workers.sam2_tracker import DecoderStage, Prompt, PromptError, encode, render
 from tests.conftest import decode_all, engine_config, write_clip
 from tests.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
+from engine.engine import Engine
 from tests.test_e2e import Collector, run_engine
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
@@ -239,3 +240,103 @@ def test_both_pools_on_one_stream(ckpt, endpoint):
     for kind in ("classify", "sam2"):
         assert sorted(m["seq"] for m in msgs if m["type"] == kind) == list(range(n)), kind
     assert [m["kind"] for m in msgs if m["type"] == "event"] == ["started", "eos"] and msgs[-1]["kind"] == "eos"
+
+
+def feats_of(model, frame):
+    return encode(model, preprocess([torch.from_numpy(frame)], SIZE, "fast", torch.device("cpu")))[0]
+
+
+def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, clips, monkeypatch):
+    """A batched decoder call that raises is retried object by object: only the failing object fails
+    (its result says so, it is counted), its bank is left exactly as it was, the other stream's object is
+    tracked; after max_attempts failures in a row the object is dropped with an event."""
+    frames = decode_all(clips[0])
+    stage = DecoderStage(model)
+    for s in ("a", "b"):
+        stage.add_stream(s)
+        stage.add_object(s, prompt(1, PROMPTS[1]))
+    for f in frames[:3]:
+        stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
+    bank_b = stage._streams["b"].objects[1]
+    before = (dict(bank_b.cond), list(bank_b.maskmems), list(bank_b.ptrs))
+    real = DecoderStage._track_batch
+
+    def broken_for_b(self, items, gathered):
+        if any(d.stream == "b" for d in items):
+            raise RuntimeError("injected failure in b's object")
+        return real(self, items, gathered)
+    monkeypatch.setattr(DecoderStage, "_track_batch", broken_for_b)
+    f = frames[3]
+    out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
+    assert "logits" in out[0][0] and out[1][0] == {"id": 1, "error": "RuntimeError: injected failure in b's object"}
+    after = stage._streams["b"].objects[1]
+    assert (dict(after.cond), list(after.maskmems), list(after.ptrs)) == before  # same entries, same tensors
+    assert stage._streams["a"].objects[1].entries() == 1 + 3 + 3  # a went on: prompt + 4th memory pushed
+    assert stage.object_failures == {"b": 1} and not stage.events
+    for f in frames[4:6]:
+        stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
+    assert 1 not in stage._streams["b"].objects and stage.object_failures == {"b": 3}
+    assert [e[:2] for e in stage.events] == [("b", "error")] and "after 3 failed steps" in stage.events[0][2]
+    assert all(bank.entries() >= 1 for st in stage._streams.values() for bank in st.objects.values())
+
+
+def test_a_prompt_that_fails_to_start_never_leaves_an_empty_bank(model, clips, monkeypatch):
+    frames = decode_all(clips[0])
+    stage = DecoderStage(model)
+    stage.add_stream("a")
+    stage.add_object("a", prompt(1, PROMPTS[1]))
+    monkeypatch.setattr(DecoderStage, "_init_object", lambda self, d, size: (_ for _ in ()).throw(RuntimeError("boom")))
+    for k, f in enumerate(frames[:3]):
+        out = stage.step([("a", feats_of(model, f), f.shape[:2])])
+        assert out == [[{"id": 1, "error": "RuntimeError: boom"}]]
+        assert stage._streams["a"].objects == {}  # no bank is made by a failed prompt step
+        assert (1 in stage._streams["a"].pending) == (k < 2)
+    assert "prompt rejected after 3 failed steps" in stage.events[-1][2]
+
+
+def test_object_admission_limit(model):
+    stage = DecoderStage(model, max_objects=2)
+    stage.add_stream("a")
+    stage.add_object("a", Prompt(1, box=[0, 0, 5, 5]))
+    stage.add_object("a", Prompt(2, box=[0, 0, 5, 5]))
+    stage.add_object("a", Prompt(2, box=[1, 1, 6, 6]))  # re-prompting an existing id is not a new object
+    with pytest.raises(PromptError, match=r"models.sam2.max_objects=2 objects are tracked already"):
+        stage.add_object("a", Prompt(3, box=[0, 0, 5, 5]))
+
+
+def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint):
+    """Two SAM 2 streams with one object each; the second is removed and re-added 4 times while batches
+    are in flight. The first engine failed frames of the FIRST stream (and 3 such batches kill it)."""
+    sam = {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE, "max_batch": 2}
+    cfg = engine_config([{"id": "a", "url": "synthetic://shapes?size=160x120&fps=15"},
+                         {"id": "b", "url": "synthetic://shapes?size=160x120&fps=15"}], endpoint,
+                        budget={"latency_ms": 60_000}, models={"classify": None, "sam2": sam},
+                        objects=[{"stream": "a", "id": 1, "box": [10, 10, 80, 60]},
+                                 {"stream": "b", "id": 1, "box": [10, 10, 80, 60]}])
+    eng = Engine(cfg)
+    eng.start()
+    assert list(eng.pools) == ["sam2"]  # a config that names only models.sam2 runs only SAM 2
+    acct = eng.pools["sam2"].acct
+
+    def busy_with_b():
+        return acct.snapshot("b").held.get("workers", 0) + acct.snapshot("b").held.get("output", 0) > 0
+    try:
+        for _ in range(4):
+            assert wait_until(busy_with_b, 30), acct.snapshot("b")
+            assert eng.control({"op": "remove_stream", "stream": "b"}, timeout=60) == {"ok": True}
+            assert eng.control({"op": "add_stream", "stream": {"id": "b", "url": "synthetic://shapes?size=160x120&fps=15"}})["ok"]
+            assert eng.control({"op": "add_object", "stream": "b", "id": 1, "box": [10, 10, 80, 60]})["ok"]
+        published = acct.snapshot("a").published
+        assert wait_until(lambda: acct.snapshot("a").published > published, 30)
+    finally:
+        eng.stop()
+    a = acct.snapshot("a")
+    assert a.failed == {} and eng.check_dead() is None and a.balanced() and a.in_flight == 0
+    assert eng.pools["sam2"].spec.processor.stage.object_failures == {}
+
+
+def wait_until(pred, timeout):
+    t_end = time.monotonic() + timeout
+    while not pred() and time.monotonic() < t_end:
+        time.sleep(0.01)
+    return pred()

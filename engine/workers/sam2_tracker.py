@@ -142,7 +142,8 @@ class DecoderStage:
     def commit(self, staged: dict[str, StreamTrack], events: list[tuple[str, str, str]]) -> None:
         for stream, st in staged.items():
             if stream in self._streams:  # a stream removed meanwhile stays removed
-                self.object_failures[stream] += st.step_failures
+                if st.step_failures:
+                    self.object_failures[stream] += st.step_failures
                 st.step_failures = 0
                 self._streams[stream] = st
         self.events.extend(events)

@@ -1,0 +1,7 @@
+"""A model family with no model, registered by tests to show that pools are plug-ins."""
+
+from engine.workers.registry import PoolSpec
+
+
+def build_pool(cfg, *, workers=None, factory=None):
+    return PoolSpec("null2", workers, factory, cfg.max_batch)
