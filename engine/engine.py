@@ -157,7 +157,8 @@ class Engine:
             st.runner = SourceRunner(source, st.ring, live=scfg.mode == "live", loop=scfg.loop,
                                      budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
                                      reconnect_initial_s=self.cfg.source.reconnect_initial_s,
-                                     reconnect_max_s=self.cfg.source.reconnect_max_s)
+                                     reconnect_max_s=self.cfg.source.reconnect_max_s,
+                                     backoff_reset_after_s=self.cfg.source.backoff_reset_after_s)
         for pool, ring in zip(self.pools.values(), rings):
             pool.add_ring(ring)
         if st.runner:
