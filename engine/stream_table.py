@@ -125,7 +125,7 @@ class StreamTable:
             return
         entry.runner = SourceRunner(source, sink, live=live, loop=scfg.loop, budget_s=self.cfg.budget.latency_ms / 1e3,
                                     emit=self._emit, reconnect_initial_s=src.reconnect_initial_s,
-                                    reconnect_max_s=src.reconnect_max_s)
+                                    reconnect_max_s=src.reconnect_max_s, backoff_reset_after_s=src.backoff_reset_after_s)
         entry.runner.start()
 
     def remove(self, stream: str) -> Future:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import numpy as np
+
+from engine.errors import SourceOpenError
 
 _CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 
@@ -19,9 +22,17 @@ def redact_url(url: str) -> str:
 
 @dataclass(slots=True)
 class DecodedFrame:
-    rgb: np.ndarray          # (H, W, 3) uint8
-    pts: float               # seconds
-    decode_s: float = 0.0    # time spent decoding and converting this frame
+    """One decoded frame and when its data arrived. `repr` shows times, never pixels."""
+
+    rgb: np.ndarray = field(repr=False)  # (H, W, 3) uint8
+    pts: float                           # seconds
+    #: packet -> rgb only: the decode call that produced the frame plus its conversion, never the
+    #: wait for packets (a live source spends most of its time waiting)
+    decode_s: float = 0.0
+    #: when the packet that completed the frame came out of the demuxer (monotonic, and the same
+    #: moment on the wall clock): a network frame's capture time
+    t_arrival: float = field(default_factory=time.monotonic)
+    t_arrival_wall: float = field(default_factory=time.time)
 
 
 class Source(ABC):
@@ -32,6 +43,8 @@ class Source(ABC):
 
     #: network sources reconnect when their session ends; files and synthetic streams end
     network: bool = False
+    #: set by the runner before open: the consumer wants the freshest frames, not every frame
+    live: bool = False
     #: nominal frame rate, used to pace files in live mode (None: use pts only)
     fps: Optional[float] = None
 
@@ -64,16 +77,28 @@ class Source(ABC):
     session_error: str = ""
 
 
+#: URL schemes read over the network: open/read timeouts always set, and reconnected when they end
+NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https", "rtmp", "udp", "srt", "tcp")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
                 max_frame_pixels: int = 8192 * 8192) -> Source:
-    """The Source for a URL: synthetic://..., rtsp(s)://..., or a file path (file:// accepted)."""
-    if url.startswith("synthetic://"):
+    """The Source for a URL: synthetic://..., a network URL (NETWORK_SCHEMES), or a file path (file:// accepted).
+
+    Raises SourceOpenError naming the stream for any other scheme: an unknown scheme opened as a
+    file would have no timeout and no reconnect.
+    """
+    m = _SCHEME.match(url)
+    scheme = m.group(1).lower() if m else "file"
+    if scheme == "synthetic":
         from .synthetic import SyntheticSource
         return SyntheticSource(stream_id, url)
-    if url.startswith(("rtsp://", "rtsps://")):
-        from .pyav import RtspSource
-        return RtspSource(stream_id, url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s,
-                          max_frame_pixels=max_frame_pixels)
-    from .pyav import FileSource
-    return FileSource(stream_id, url[len("file://"):] if url.startswith("file://") else url,
-                      max_frame_pixels=max_frame_pixels)
+    from .pyav import FileSource, NetworkSource
+    if scheme in NETWORK_SCHEMES:
+        return NetworkSource(stream_id, url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s,
+                             max_frame_pixels=max_frame_pixels)
+    if scheme == "file":
+        return FileSource(stream_id, url[len(m.group(0)):] if m else url, max_frame_pixels=max_frame_pixels)
+    raise SourceOpenError(stream_id, f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}; allowed: a file "
+                                     f"path (or file://), synthetic://, or a network URL: {', '.join(NETWORK_SCHEMES)}")

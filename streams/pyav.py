@@ -1,10 +1,15 @@
-"""Files and RTSP through PyAV (FFmpeg).
+"""Files and network streams (RTSP, HTTP, RTMP, UDP, SRT, TCP) through PyAV (FFmpeg).
 
 Measured here (shared/STACK.md): when an RTSP server dies, PyAV's decode loop just ends as at
 end of file, so for network sources an ended loop is a disconnect (the runner reconnects),
 never an eos. A hung server is noticed only after about twice the read timeout, so a
 timeout is always passed. Corrupt packets are skipped and counted; FFmpeg resyncs at the
 next keyframe.
+
+Latency truth: every frame carries the moment the packet that completed it came out of the
+demuxer, and its decode time counts only packet -> rgb, never the wait for the next packet.
+Live network streams decode without frame threads: frame threading holds back one frame
+per extra thread (measured: +67 ms at 30 fps on 2 cores), a delay no deadline would see.
 """
 
 from __future__ import annotations
@@ -21,6 +26,30 @@ from .base import DecodedFrame, Source, redact_url
 _NOT_VIDEO_FORMATS = {"tty"}
 
 
+class _Arrivals:
+    """pts -> arrival of the packet that carried it, so a frame the decoder hands out later (B-frame
+    reordering, frame threads) still gets its own packet's arrival. Bounded: packets whose frame
+    never comes out (corrupt data) are forgotten."""
+
+    def __init__(self, limit: int = 64):
+        self._by_pts: dict[int, tuple[float, float]] = {}
+        self._limit = limit
+
+    def add(self, pts: Optional[int], when: tuple[float, float]) -> None:
+        if pts is None:
+            return
+        self._by_pts[pts] = when
+        if len(self._by_pts) > self._limit:
+            del self._by_pts[next(iter(self._by_pts))]  # the oldest
+
+    def pop(self, pts: Optional[int], default: tuple[float, float]) -> tuple[float, float]:
+        return self._by_pts.pop(pts, default) if pts is not None else default
+
+
+def _now() -> tuple[float, float]:
+    return time.monotonic(), time.time()
+
+
 class _PyAVSource(Source):
     def __init__(self, stream_id: str, url: str, *, max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url)
@@ -31,6 +60,9 @@ class _PyAVSource(Source):
 
     def _open_options(self) -> dict:
         return {}
+
+    def _thread_type(self) -> str:
+        return "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
 
     def open(self) -> None:
         self.close()
@@ -58,7 +90,7 @@ class _PyAVSource(Source):
             self.close()
             raise SourceOpenError(self.stream_id, f"{self.display_url!r} claims {w}x{h} frames, over "
                                                   f"ring.max_frame_pixels={self.max_frame_pixels}; raise it if real")
-        self._stream.thread_type = "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
+        self._stream.thread_type = self._thread_type()
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else None
 
@@ -77,8 +109,9 @@ class _PyAVSource(Source):
             self.open()
         tb = float(self._stream.time_base) if self._stream.time_base else 0.0
         n = 0
-        t0 = time.perf_counter()
         self.session_error = ""
+        arrivals = _Arrivals()
+        last = _now()  # arrival of the last packet with data: what frames flushed at the end get
         packets = self._container.demux(self._stream)
         while True:
             try:
@@ -90,19 +123,25 @@ class _PyAVSource(Source):
                 # file): the session ends here, with its reason; the runner decides what follows.
                 self.session_error = redact_url(str(err))
                 break
+            got = _now()
+            if packet.size:  # the empty packet at the end only flushes the decoder
+                last = got
+                arrivals.add(packet.pts, got)
             try:
                 decoded = packet.decode()
             except av.error.FFmpegError:
                 self.decode_errors += 1  # corrupt data: the decoder resyncs at the next keyframe
                 continue
+            decode_s = time.monotonic() - got[0]
             for frame in decoded:
+                c0 = time.monotonic()
                 rgb = frame.to_ndarray(format="rgb24")
+                convert_s = time.monotonic() - c0
                 # The first RTSP frame can lack a pts: fall back to the frame index.
                 pts = frame.pts * tb if frame.pts is not None and tb else (n / self.fps if self.fps else 0.0)
-                t1 = time.perf_counter()
-                yield DecodedFrame(rgb, float(pts), t1 - t0)
+                t_mono, t_wall = arrivals.pop(frame.pts, last)
+                yield DecodedFrame(rgb, float(pts), decode_s + convert_s, t_mono, t_wall)
                 n += 1
-                t0 = time.perf_counter()
 
     def close(self) -> None:
         if self._container is not None:
@@ -117,8 +156,11 @@ class FileSource(_PyAVSource):
     """Any container PyAV opens. End of file ends the stream (or loops, if configured)."""
 
 
-class RtspSource(_PyAVSource):
-    """RTSP over TCP (no UDP loss), open and read timeouts always set."""
+class NetworkSource(_PyAVSource):
+    """A network URL (rtsp, rtsps, http(s), rtmp, udp, srt, tcp): open and read timeouts always set.
+
+    When its session ends the runner reconnects. RTSP goes over TCP (no UDP loss).
+    """
 
     network = True
 
@@ -128,4 +170,18 @@ class RtspSource(_PyAVSource):
         self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
 
     def _open_options(self) -> dict:
-        return {"options": {"rtsp_transport": "tcp"}, "timeout": (self.open_timeout_s, self.read_timeout_s)}
+        options = {}
+        if self.url.lower().startswith(("rtsp://", "rtsps://")):
+            options["rtsp_transport"] = "tcp"
+        if self.live:
+            # FFmpeg keeps the packets it reads while probing the stream at open (measured: ~1 s of
+            # RTSP at 30 fps) and hands them out in a burst, stale but looking fresh. Live, they are
+            # dropped: the first frame comes from the first keyframe after open (up to a GOP later).
+            options["fflags"] = "nobuffer"
+        return {"options": options, "timeout": (self.open_timeout_s, self.read_timeout_s)}
+
+    def _thread_type(self) -> str:
+        return "SLICE" if self.live else "AUTO"  # frame threads delay every live frame (module docstring)
+
+
+RtspSource = NetworkSource  # the name before other network schemes were accepted

@@ -138,7 +138,9 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
     try:
         col = Collector(endpoint, ["cam1"])
         col.sub._sock.setsockopt(zmq.SUBSCRIBE, b"sam2.")
-        time.sleep(0.5)  # the first frame sets the stream's size
+        t_end = time.monotonic() + 60  # the first processed frame sets the stream's size (however slow SAM 2 is here)
+        while time.monotonic() < t_end and not request(ctl, {"op": "list"})["streams"]["cam1"].get("frame"):
+            time.sleep(0.05)
         bad = request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 500, 100]})
         assert bad["ok"] is False and "(500.0, 100.0) lies outside the 160x120 frame" in bad["error"]
         assert request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 80, 60]})["ok"]

@@ -11,7 +11,7 @@ import pytest
 
 from engine.engine import Engine
 from engine.workers.null import NullWorker
-from tests.conftest import engine_config, free_port
+from tests.conftest import engine_config, free_port, write_clip
 from tests.tcp_proxy import FaultProxy
 from tests.test_rtsp import SERVER, SYSTEM_PY, require_server
 
@@ -138,3 +138,36 @@ def test_port_closed_for_60_s_backs_off_to_the_cap_quietly(endpoint, caplog):
     lines = [r for r in caplog.records if "cam" in r.getMessage() and "connect" in r.getMessage()]
     assert len(lines) <= 3  # aggregated: not a line per attempt
     assert "s3cret" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_server_that_ends_every_session_at_once_is_retried_with_growing_pauses(tmp_path, endpoint, caplog):
+    """Accepts, plays two frames, hangs up: backs off like a refusal (it used to be retried every ~0.5 s)."""
+    require_server()
+    clip = write_clip(tmp_path / "two.mp4", 2)
+    port = free_port()
+    server = subprocess.Popen([SYSTEM_PY, str(SERVER), "--port", str(port), "--file", str(clip)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert server.stdout.readline().startswith("READY")
+    initial, cap = 0.2, 3.2
+    with caplog.at_level(logging.INFO):
+        eng = engine_with(f"rtsp://127.0.0.1:{port}/test", endpoint, reconnect_initial_s=initial, reconnect_max_s=cap)
+        runner = eng.streams["cam"].runner
+        try:
+            assert wait(lambda: len(runner.attempts) >= 7, 40), list(runner.attempts)
+        finally:
+            eng.stop()
+            server.terminate()
+            server.wait(5)
+    attempts = list(runner.attempts)
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert runner.reconnects >= 6  # every attempt connected: these are ended sessions, not refusals
+    # the pauses double (0.2, 0.4, ... 3.2): gaps (open + session + pause) grow by at least half of that
+    assert gaps[4] - gaps[0] >= 0.5 * (2 ** 4 - 1) * initial, [round(g, 2) for g in gaps]
+    pauses = list(runner.backoff)
+    assert all(p <= cap for p in pauses) and max(pauses) >= 0.8 * cap
+    assert all(b >= 1.6 * a or b >= 0.8 * cap for a, b in zip(pauses, pauses[1:]))
+    assert all(p <= g for p, g in zip(pauses, gaps))  # attempts follow the schedule
+    lines = [r for r in caplog.records if "stream cam:" in r.getMessage()]
+    assert len(lines) <= 2, [r.getMessage() for r in lines]  # aggregated, not a line per session
+    print(f"gaps between attempts: {[round(g, 2) for g in gaps]}; pauses {[round(p, 2) for p in pauses]}")

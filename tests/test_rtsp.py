@@ -81,8 +81,10 @@ def test_rtsp_stream_yields_results(rtsp_server, endpoint):
 
 def test_rtsp_server_gone_is_a_disconnect_not_an_eos(rtsp_server, tmp_path, endpoint):
     """When the server's stream ends, PyAV's loop ends as at EOF: vidar reconnects instead of ending."""
-    clip = write_clip(tmp_path / "c.mp4", 30)
-    url = rtsp_server("--file", str(clip))  # plays the clip once per client (~1 s), then ends the session
+    # plays the clip once per client (3 s), then ends the session; live, the first ~1 s goes to
+    # FFmpeg's probe at open and is dropped (fflags=nobuffer, streams/pyav.py): ~2 s of frames a session
+    clip = write_clip(tmp_path / "c.mp4", 90)
+    url = rtsp_server("--file", str(clip))
     cfg = engine_config([{"id": "cam1", "url": url, "mode": "live"}], endpoint,
                         budget={"latency_ms": 500}, source={"reconnect_initial_s": 0.2})
     eng = Engine(cfg, workers={"classify": NullWorker()})

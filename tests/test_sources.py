@@ -3,7 +3,7 @@ import pytest
 
 from engine.errors import SourceOpenError
 from streams import open_source, redact_url
-from streams.pyav import FileSource, RtspSource
+from streams.pyav import FileSource
 from streams.synthetic import SyntheticSource
 from tests.conftest import decode_all, write_clip
 
@@ -73,11 +73,71 @@ def test_audio_only_file_has_no_video(tmp_path):
         open_source("mic", str(p)).open()
 
 
-def test_rtsp_url_picks_rtsp_source_with_timeouts():
-    s = open_source("cam", "rtsp://u:secret@10.0.0.1/x", open_timeout_s=2, read_timeout_s=3)
-    assert isinstance(s, RtspSource) and s.network
-    assert s._open_options() == {"options": {"rtsp_transport": "tcp"}, "timeout": (2, 3)}
-    assert "secret" not in s.display_url
+_TCP = {"rtsp_transport": "tcp"}
+
+
+@pytest.mark.parametrize("url, kind, opened, options", [
+    # network: timeouts always, reconnects (source.network); RTSP over TCP
+    ("rtsp://u:secret@10.0.0.1/x", "network", "rtsp://u:secret@10.0.0.1/x", _TCP),
+    ("RTSP://10.0.0.1/x", "network", "RTSP://10.0.0.1/x", _TCP),
+    ("rtsps://10.0.0.1/x", "network", "rtsps://10.0.0.1/x", _TCP),
+    ("http://10.0.0.1/live.ts", "network", "http://10.0.0.1/live.ts", {}),
+    ("https://10.0.0.1/live.m3u8", "network", "https://10.0.0.1/live.m3u8", {}),
+    ("rtmp://10.0.0.1/app/key", "network", "rtmp://10.0.0.1/app/key", {}),
+    ("udp://@239.0.0.1:5000", "network", "udp://@239.0.0.1:5000", {}),
+    ("srt://10.0.0.1:9000", "network", "srt://10.0.0.1:9000", {}),
+    ("tcp://10.0.0.1:9000", "network", "tcp://10.0.0.1:9000", {}),
+    # files: a path, or file://
+    ("/videos/a.mp4", "file", "/videos/a.mp4", None),
+    ("videos/a@b.mp4", "file", "videos/a@b.mp4", None),
+    ("file:///videos/a.mp4", "file", "/videos/a.mp4", None),
+    ("synthetic://shapes?size=64x48", "synthetic", None, None),
+    # anything else is refused by name, never opened as a file without timeouts
+    ("ftp://u:pw@10.0.0.1/a.mp4", "error", r"unsupported URL scheme 'ftp' in 'ftp://\*\*\*@10.0.0.1/a.mp4'", None),
+    ("webrtc://10.0.0.1/x", "error", "unsupported URL scheme 'webrtc'.*allowed: a file path \\(or file://\\), "
+                                     "synthetic://, or a network URL: rtsp, rtsps, http, https, rtmp, udp, srt, tcp", None),
+])
+def test_url_scheme_table(url, kind, opened, options, monkeypatch):
+    calls = []
+
+    def fake_open(target, mode="r", **kw):  # record what PyAV would be asked, then refuse
+        calls.append((target, kw))
+        raise OSError(111, "refused by the test")
+
+    monkeypatch.setattr("streams.pyav.av.open", fake_open)
+    if kind == "error":
+        with pytest.raises(SourceOpenError, match=f"stream 'cam5': {opened}"):
+            open_source("cam5", url)
+        return
+    src = open_source("cam5", url, open_timeout_s=2, read_timeout_s=3)
+    if kind == "synthetic":
+        assert isinstance(src, SyntheticSource) and not src.network
+        return
+    with pytest.raises(SourceOpenError, match="stream 'cam5': cannot open"):
+        src.open()
+    (target, kw), = calls
+    assert target == opened
+    if kind == "network":
+        assert src.network and "secret" not in src.display_url
+        assert kw["timeout"] == (2, 3) and kw["options"] == options
+    else:
+        assert isinstance(src, FileSource) and not src.network and "timeout" not in kw
+
+
+def test_live_network_source_drops_the_probe_backlog(monkeypatch):
+    """Live: FFmpeg's probe packets would come out as a stale burst (streams/pyav.py), so they are dropped."""
+    calls = []
+    monkeypatch.setattr("streams.pyav.av.open", lambda target, mode="r", **kw: calls.append(kw) or _refuse())
+    src = open_source("cam", "rtsp://10.0.0.1/x", open_timeout_s=2, read_timeout_s=3)
+    for live in (False, True):
+        src.live = live
+        with pytest.raises(SourceOpenError):
+            src.open()
+    assert [kw["options"].get("fflags") for kw in calls] == [None, "nobuffer"]
+
+
+def _refuse():
+    raise OSError(111, "refused by the test")
 
 
 def test_unreachable_rtsp_fails_fast_and_names_the_stream():
