@@ -116,7 +116,9 @@ def bench_engine(path: Path, workers: list, batch: int, expect: int, threads: in
                 "threads": threads}
     cfg, _ = build_config({"streams": [{"id": "bench", "url": str(path), "mode": "offline"}],
                            "models": {"classify": classify},
-                           "publish": {"endpoint": ep, "min_subscribers": 1}, "metrics": {"enabled": False}},
+                           "publish": {"endpoint": ep, "min_subscribers": 1}, "metrics": {"enabled": False},
+                           # Engine.start binds the control socket (port 5557) when enabled; nothing here uses it
+                           "control": {"enabled": False}},
                           cuda_available=True)
     got: dict[int, int] = {}
     sub = Subscriber(ep, ["classify.bench"])
