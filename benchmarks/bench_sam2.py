@@ -51,6 +51,17 @@ def sync():
         torch.cuda.synchronize()
 
 
+def step(stage, frames):
+    """One decoder-stage step (begin + track + commit: this benchmark is the stage's only owner).
+    The stage turns an object's exception into an error result and drops the object after a few,
+    with an event, instead of raising: a benchmark that went on would time fewer objects, so stop."""
+    res = stage.step(frames)
+    errors = [(s, o) for (s, _, _), objs in zip(frames, res) for o in objs if "error" in o]
+    if errors or stage.events:
+        raise SystemExit(f"decoder stage failed: errors {errors}, events {list(stage.events)}")
+    return res
+
+
 def run_streams(model, size, frames_by_stream, objects, warm=8):
     """Lockstep streaming; returns (per-frame encoder seconds list, stage, masks by stream)."""
     from pycocotools import mask as mask_utils
@@ -72,7 +83,7 @@ def run_streams(model, size, frames_by_stream, objects, warm=8):
             feats = encode(model, x)
             sync()
             t1 = time.perf_counter()
-            res = stage.step([(s, ft, f.shape[:2]) for (s, f), ft in zip(batch, feats)])
+            res = step(stage, [(s, ft, f.shape[:2]) for (s, f), ft in zip(batch, feats)])
             sync()
             t2 = time.perf_counter()
             if i >= warm:
@@ -138,7 +149,7 @@ def memory(model, n):
         for i in range(n):
             f = src.render(i)
             feats = encode(model, preprocess([torch.from_numpy(f)], 256, "fast", DEVICE))
-            stage.step([("m", feats[0], f.shape[:2])])
+            step(stage, [("m", feats[0], f.shape[:2])])
             if i + 1 in (100, 500, 1000, n) or (i + 1) % 500 == 0:
                 marks[i + 1] = {"bank_entries": stage.bank_entries()[("m", 1)],
                                 "rss_mb": proc.memory_info().rss / 2**20, "s": time.perf_counter() - t0}

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.client import Subscriber  # noqa: E402
-from engine.config import ClassifyConfig as VitConfig, build_config  # noqa: E402
+from engine.config import ClassifyConfig, build_config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.workers.classify import ClassifierWorker  # noqa: E402
 from engine.workers.null import NullWorker  # noqa: E402
@@ -112,14 +112,16 @@ def free_endpoint() -> str:
 
 def bench_engine(path: Path, workers: list, batch: int, expect: int, threads: int | None) -> tuple[float, dict]:
     ep = free_endpoint()
-    vit = {"name": "vit_tiny_patch16_224", "weights": "random", "max_batch": batch, "workers": len(workers),
-           "threads": threads}
+    classify = {"name": "vit_tiny_patch16_224", "weights": "random", "max_batch": batch, "workers": len(workers),
+                "threads": threads}
     cfg, _ = build_config({"streams": [{"id": "bench", "url": str(path), "mode": "offline"}],
-                           "models": {"vit": vit},
-                           "publish": {"endpoint": ep, "min_subscribers": 1}, "metrics": {"enabled": False}},
+                           "models": {"classify": classify},
+                           "publish": {"endpoint": ep, "min_subscribers": 1}, "metrics": {"enabled": False},
+                           # Engine.start binds the control socket (port 5557) when enabled; nothing here uses it
+                           "control": {"enabled": False}},
                           cuda_available=True)
     got: dict[int, int] = {}
-    sub = Subscriber(ep, ["vit.bench"])
+    sub = Subscriber(ep, ["classify.bench"])
 
     def read():
         while len(got) < expect:
@@ -130,7 +132,7 @@ def bench_engine(path: Path, workers: list, batch: int, expect: int, threads: in
 
     reader = threading.Thread(target=read)
     reader.start()
-    eng = Engine(cfg, workers={"vit": workers})
+    eng = Engine(cfg, workers={"classify": workers})
     eng.start()  # warm-up happens here, before the clock starts
     t0 = time.perf_counter()
     reader.join(600)
@@ -162,7 +164,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = timm.create_model(args.model, pretrained=False).eval()
     input_size = timm.data.resolve_data_config(model=model)["input_size"]
-    vcfg = VitConfig(name=args.model, weights="random", max_batch=args.batch, device="cpu")
+    vcfg = ClassifyConfig(name=args.model, weights="random", max_batch=args.batch, device="cpu")
 
     def workers(k: int) -> list:  # fresh instances per run (the engine closes its workers), one shared model
         return [ClassifierWorker(vcfg, model=model, weights_tag="random") for _ in range(k)]

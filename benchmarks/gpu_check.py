@@ -42,10 +42,10 @@ def timed(fn, reps=20):
 
 def model_latency(results):
     import timm
-    from engine.config import ClassifyConfig as VitConfig
+    from engine.config import ClassifyConfig
     from engine.workers.classify import ClassifierWorker
     from engine.ring import FrameView
-    w = ClassifierWorker(VitConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
+    w = ClassifierWorker(ClassifyConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
     for b in (1, 2, 4, 8):
         x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
         results[f"vitl_bf16_b{b}"] = timed(lambda: w.forward(x))
@@ -55,21 +55,27 @@ def model_latency(results):
     w.close()
 
 
-def engine_goodput(results, streams: int, seconds: float = 10.0):
+def goodput_config(streams: int):
+    """The live run's config; building it needs no GPU (the CPU-side check of this script)."""
     from engine.config import build_config
-    from engine.engine import Engine
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cfg, _ = build_config({
         "streams": [{"id": f"s{i}", "url": "synthetic://shapes?size=1280x720&fps=60"} for i in range(streams)],
-        "models": {"vit": {"name": "vit_large_patch16_224", "weights": "random", "max_batch": 8}},
+        "models": {"classify": {"name": "vit_large_patch16_224", "weights": "random", "max_batch": 8}},
         "budget": {"latency_ms": 17}, "publish": {"endpoint": f"tcp://127.0.0.1:{port}"},
-        "metrics": {"enabled": False}}, cuda_available=True)
-    eng = Engine(cfg)
+        # nothing is changed at run time: no control socket (Engine.start would bind port 5557)
+        "metrics": {"enabled": False}, "control": {"enabled": False}}, cuda_available=True)
+    return cfg
+
+
+def engine_goodput(results, streams: int, seconds: float = 10.0):
+    from engine.engine import Engine
+    eng = Engine(goodput_config(streams))
     eng.start()
     time.sleep(seconds)
-    snaps = [eng.pools["vit"].acct.snapshot(f"s{i}") for i in range(streams)]
+    snaps = [eng.pools["classify"].acct.snapshot(f"s{i}") for i in range(streams)]
     eng.stop()
     ing = sum(s.ingested for s in snaps)
     pub = sum(s.published for s in snaps)

@@ -1,7 +1,7 @@
 """Soak test: N minutes of four live streams under faults; fails if resources trend upward.
 
 Runs the engine in-process with the real tiny classifier (timm test_vit, random weights,
-2 workers x 1 thread on the CPU) on four live streams:
+2 workers x 1 thread on the CPU, pool `classify`) on four live streams:
   cam0, cam1  synthetic://shapes 320x240 @ 15 fps
   cam2        RTSP from Debian's GStreamer server (tests/rtsp_server.py --pattern), killed and
               restarted every --rtsp-restart-s (first at that minus 30 s); a third synthetic
@@ -12,16 +12,20 @@ and meanwhile:
     engine's publisher socket gets a 16 KiB SO_SNDBUF (through the zmq Context passed to Engine)
     so the HWM, not megabytes of kernel buffer, absorbs the backlog: publish_hwm drops show up,
   * every --disconnect-every-s one synthetic stream is removed and re-added (same id)
-    --reconnect-after-s later, round robin,
+    --reconnect-after-s later, round robin, through eng.control (as the control socket does),
   * once, half-way, one batch of worker 0 raises (the pool must rebuild the worker and go on).
 
 Every --sample-s it samples RSS (raw, and again right after glibc's malloc_trim(0), so memory
 the allocator merely caches is not taken for a leak), open fds, threads (OS and Python), the
 rings' slot memory, Python's object count, glibc's heap (bytes in use vs free bytes the arenas
 hold: a leak vs fragmentation), RSS by kind of mapping, and every stream's accounting. At every sample:
-Snapshot.balanced() (ingested == published + dropped + failed + in_flight; note in_flight is
-derived from the others, so the independent checks are the next ones), 0 <= in_flight < 200,
-no counter ever decreases, engine not dead. At the end (after eng.stop()): in_flight == 0 for
+Snapshot.balanced() (ingested == published + dropped + failed + in_flight, where in_flight is
+counted from the frames the pipeline's holders really hold, so a leaked or double-counted frame
+breaks it), eng.audit() == {} (the same check for every stream of every pool, under the pool's
+ledger lock), 0 <= in_flight < 200, no counter ever decreases, engine not dead.
+A removed stream's counters are forgotten by the engine once its eos is out, and a re-added id
+counts from 0: the soak keeps what each removed incarnation counted (final by then: in_flight
+must be 0) and judges every id over the whole run. At the end (after eng.stop()): in_flight == 0 for
 every stream, the subscriber received exactly what the engine counted published (per stream),
 the injected failure ran, exactly one worker was rebuilt and every stream published after it,
 no thread of ours or the engine's is left, and the engine's ZeroMQ context terminates.
@@ -60,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -74,7 +79,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.client import Subscriber  # noqa: E402
-from engine.config import StreamConfig, build_config  # noqa: E402
+from engine.config import build_config  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
 from engine.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
@@ -82,6 +87,7 @@ from tests.conftest import write_clip  # noqa: E402
 
 log = logging.getLogger("soak")
 
+POOL = "classify"  # the pool the soak drives (models.classify; topic classify.<stream>)
 RTSP_SERVER = ROOT / "tests" / "rtsp_server.py"
 SYSTEM_PY = "/usr/bin/python3"
 IN_FLIGHT_BOUND = 200
@@ -219,7 +225,7 @@ class SlowSubscriber:
     def __init__(self, endpoint: str, delay_s: float, hwm: int, rcvbuf: int):
         self.ctx = zmq.Context()
         self.ctx.setsockopt(zmq.RCVBUF, rcvbuf)  # applied to the socket before it connects
-        self.sub = Subscriber(endpoint, topics=["vit.", "event."], ctx=self.ctx, hwm=hwm)
+        self.sub = Subscriber(endpoint, topics=[f"{POOL}.", "event."], ctx=self.ctx, hwm=hwm)
         self.delay_s = delay_s
         self.slow = threading.Event()
         self.slow.set()
@@ -271,9 +277,26 @@ class SlowSubscriber:
 # -- sampling and checks ----------------------------------------------------------------------
 def snap_dict(s) -> dict:
     return {"ingested": s.ingested, "published": s.published, "dropped": dict(s.dropped), "failed": dict(s.failed),
-            "in_flight": s.in_flight, "balanced": s.balanced(),
+            "in_flight": s.in_flight, "held": dict(s.held), "balanced": s.balanced(),
             "p50_ms": None if s.p50_ms != s.p50_ms else round(s.p50_ms, 1),
             "p99_ms": None if s.p99_ms != s.p99_ms else round(s.p99_ms, 1)}
+
+
+def merge(parts: list[dict]) -> dict:
+    """One stream id over its incarnations (removed ones first, the current one last): counters
+    summed, balanced if every one is; in_flight, holders and latencies are the last one's."""
+    out = dict(parts[-1], incarnations=len(parts))
+    for k in ("ingested", "published"):
+        out[k] = sum(p[k] for p in parts)
+    for k in ("dropped", "failed"):
+        out[k] = dict(sum((Counter(p[k]) for p in parts), Counter()))
+    out["balanced"] = all(p["balanced"] for p in parts)
+    return out
+
+
+def publisher_stats(pub) -> dict:
+    """A copy (the per-stream Counter inside goes on changing)."""
+    return {k: dict(v) if isinstance(v, dict) else v for k, v in vars(pub.stats).items()}
 
 
 def counters(s: dict) -> dict:
@@ -311,6 +334,7 @@ class Soak:
         self.kill_fired = threading.Event()
         self.kill_at: Optional[float] = None
         self.kill_fired_t: Optional[float] = None
+        self.retired: dict[str, list[dict]] = {}  # stream id -> final counts of its removed incarnations
 
     def fail(self, why: str) -> None:
         if why not in self.failures:
@@ -322,17 +346,49 @@ class Soak:
 
     def ring_bytes(self) -> int:
         """Frame-slot memory the live streams' rings hold now."""
-        total = 0
-        for st in list(self.eng.streams.values()):
-            for ring in getattr(st.ring, "rings", [st.ring]):
-                if ring is not None and not st.removed and hasattr(ring, "allocated_bytes"):
-                    total += ring.allocated_bytes()
-        return total
+        return sum(ring.allocated_bytes() for st in self.eng.streams.values() if st.state != "removing"
+                   for ring in st.rings.values())
+
+    def keep_retired(self, acct) -> None:
+        """The engine forgets a removed stream's counters once its eos is out; that is the one moment
+        they are final, so record them then (engine core thread, under the ledger lock). Nothing of
+        the incarnation may still be held: in_flight must be 0."""
+        forget = acct.forget
+
+        def forget_and_keep(stream: str) -> None:
+            with acct.lock:
+                try:  # never let the soak's bookkeeping raise into the engine core
+                    last = snap_dict(acct.snapshot(stream))
+                    self.retired.setdefault(stream, []).append(last)
+                    if last["in_flight"] or not last["balanced"]:
+                        self.fail(f"t={self.elapsed():.0f}s: stream {stream} forgotten after removal with {last}")
+                except Exception as err:
+                    self.fail(f"recording the counts of removed stream {stream}: {type(err).__name__}: {err}")
+                forget(stream)
+        acct.forget = forget_and_keep
+
+    def stream_counts(self) -> dict:
+        """Every stream id's counts over the whole run (its removed incarnations included)."""
+        acct = self.eng.pools[POOL].acct
+        with acct.lock:  # forget_and_keep holds it too: no incarnation is missed or counted twice
+            current = {sid: [snap_dict(acct.snapshot(sid))] for sid in acct.streams()}
+            parts = {sid: list(v) for sid, v in self.retired.items()}
+        for sid, snap in current.items():
+            parts[sid] = parts.get(sid, []) + snap
+        return {sid: merge(parts[sid]) for sid in sorted(parts)}
+
+    def control(self, req: dict) -> dict:
+        """A control request, as the control socket would pass it; a refusal is a finding."""
+        reply = self.eng.control(req)
+        if not reply["ok"]:
+            raise RuntimeError(f"{req['op']}: {reply['error']}")
+        return reply
 
     def sample(self) -> dict:
         eng = self.eng
-        pool = eng.pools["vit"]
-        streams = {sid: snap_dict(pool.acct.snapshot(sid)) for sid in sorted(pool.acct.streams())}
+        pool = eng.pools[POOL]
+        streams = self.stream_counts()
+        audit = eng.audit()  # every stream of every pool: counters vs the frames the holders hold
         t = self.elapsed()
         with self.proc.oneshot():
             rss = self.proc.memory_info().rss
@@ -345,7 +401,8 @@ class Soak:
                "threads_os": threads_os, "threads_py": threading.active_count(),
                "live_streams": sorted(eng.live_streams()), "published": sum(s["published"] for s in streams.values()),
                "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
-               "publisher": vars(eng.publisher.stats).copy(), "rebuilds": pool.rebuilds,
+               "publisher": publisher_stats(eng.publisher), "publisher_pending": eng.publisher.pending(),
+               "rebuilds": pool.rebuilds, "audit": {p: {s: list(v) for s, v in b.items()} for p, b in audit.items()},
                "py_objects": len(gc.get_objects()), "ring_mb": round(self.ring_bytes() / 2 ** 20, 2),
                "heap": heap_stats(), "smaps": smaps_mb(), "streams": streams}
         bad = eng.streams.get("bad0")
@@ -356,6 +413,8 @@ class Soak:
             rec["cam2_reconnects"], rec["cam2_state"] = rt.runner.reconnects, rt.runner.state
         # checks at every sample
         tag = f"t={t:.0f}s"
+        if audit:
+            self.fail(f"{tag}: accounting audit: counters and holders disagree (ingested - terminal, held): {audit}")
         for sid, s in streams.items():
             if not s["balanced"]:
                 self.fail(f"{tag}: stream {sid}: conservation broken: {s}")
@@ -386,8 +445,8 @@ class Soak:
     # -- faults ---------------------------------------------------------------------------------
     def arm_worker_kill(self) -> None:
         """The next batch on worker 0 raises, once; the pool must rebuild that worker."""
-        pool = self.eng.pools["vit"]
-        w = pool.workers[0]
+        pool = self.eng.pools[POOL]
+        w = pool.runners[0].worker  # the instance worker thread 0 runs now (a rebuild replaces pool.workers[0])
         soak = self
 
         def boom(inputs):
@@ -445,10 +504,11 @@ class Soak:
         synthetic_ids = [s["id"] for s in streams if s["url"].startswith("synthetic://")]
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         tree = {"streams": streams,
-                "models": {"vit": {"name": "test_vit", "weights": "random", "max_batch": 4, "workers": 2,
-                                   "threads": 1, "device": "cpu"}},
+                "models": {POOL: {"name": "test_vit", "weights": "random", "max_batch": 4, "workers": 2,
+                                  "threads": 1, "device": "cpu"}},
                 "budget": {"latency_ms": a.latency_ms},
                 "publish": {"endpoint": endpoint, "hwm": 100, "min_subscribers": 1, "wait_subscribers_s": 10},
+                # streams are removed and re-added through eng.control, the socket's own path: no socket needed
                 "metrics": {"enabled": False}, "control": {"enabled": False},
                 "source": {"reconnect_initial_s": 0.5, "reconnect_max_s": 5},
                 "faults": {"max_failures": 1000, "window_s": 60, "batch_timeout_s": 5},
@@ -468,6 +528,7 @@ class Soak:
             self.pub_ctx.setsockopt(zmq.SNDBUF, a.pub_sndbuf)
         self.eng = eng = Engine(cfg, ctx=self.pub_ctx)
         eng.start()
+        self.keep_retired(eng.pools[POOL].acct)
         self.t0 = time.monotonic()
         print(f"soak: {a.minutes:g} min, 4 streams ({', '.join(s['id'] for s in streams)}), sample every "
               f"{a.sample_s:g} s; setup took {self.t0 - T_SCRIPT:.1f} s", flush=True)
@@ -510,13 +571,12 @@ class Soak:
             time.sleep(max(0.0, min(0.25, due - self.elapsed())))
 
     def do(self, kind: str, arg, by_id: dict) -> None:
-        eng = self.eng
-        if kind == "remove":
+        if kind == "remove":  # the reply comes once the stream's eos is queued
             t = time.monotonic()
-            eng.remove_stream(arg)
+            self.control({"op": "remove_stream", "stream": arg})
             self.action("remove_stream", stream=arg, took_s=round(time.monotonic() - t, 2))
         elif kind == "add":
-            eng.add_stream(StreamConfig(**by_id[arg].model_dump()))
+            self.control({"op": "add_stream", "stream": by_id[arg].model_dump(exclude_none=True)})
             self.action("add_stream", stream=arg)
         elif kind == "rtsp_restart":
             t = time.monotonic()
@@ -527,8 +587,7 @@ class Soak:
             self.arm_worker_kill()
 
     def published_now(self) -> int:
-        acct = self.eng.pools["vit"].acct
-        return sum(acct.snapshot(sid).published for sid in acct.streams())
+        return sum(s["published"] for s in self.stream_counts().values())
 
     def shutdown(self) -> None:
         t = time.monotonic()
@@ -537,7 +596,7 @@ class Soak:
             # depend on what the publisher socket's 500 ms linger gets through at close.
             self.sub.slow.clear()
             deadline = time.monotonic() + 5
-            while ("vit" in self.eng.pools and time.monotonic() < deadline
+            while (POOL in self.eng.pools and time.monotonic() < deadline
                    and self.sub.received < self.published_now() - 10):
                 time.sleep(0.05)
             try:
@@ -564,8 +623,10 @@ class Soak:
     # -- verdict ------------------------------------------------------------------------------
     def report(self) -> int:
         a, eng = self.args, self.eng
-        pool = eng.pools.get("vit") if eng and eng.pools else None
-        final = {sid: snap_dict(pool.acct.snapshot(sid)) for sid in sorted(pool.acct.streams())} if pool else {}
+        pool = eng.pools.get(POOL) if eng and eng.pools else None
+        final = self.stream_counts() if pool else {}
+        if pool and eng.audit():
+            self.fail(f"final: accounting audit: counters and holders disagree: {eng.audit()}")
         for sid, s in final.items():
             if not s["balanced"]:
                 self.fail(f"final: stream {sid}: conservation broken: {s}")
@@ -642,7 +703,7 @@ class Soak:
             "final": final,
             "subscriber": {"received": delivered, "max_latency_ms": round(self.sub.max_latency_ms, 1),
                            "errors": self.sub.errors, "events": self.sub.events} if self.sub else None,
-            "publisher": vars(eng.publisher.stats) if eng and eng.publisher else None,
+            "publisher": publisher_stats(eng.publisher) if eng and eng.publisher else None,
             "stop_error": self.stop_error, "threads_after_stop": self.leftover_threads,
             "samples": self.samples}
         out = Path(a.out)

@@ -117,8 +117,9 @@ def main() -> int:
     cfg, _ = build_config({
         # offline: every frame is processed in order (back-pressure instead of drops), so seq N is frame N.
         "streams": [{"id": "video", "url": str(args.video), "mode": "offline"}],
-        "models": {"vit": None, "sam2": {"config": args.config, "checkpoint": args.checkpoint,
-                                         "image_size": args.image_size, "max_batch": 1}},
+        # only the pools named here run: SAM 2 alone
+        "models": {"sam2": {"config": args.config, "checkpoint": args.checkpoint,
+                            "image_size": args.image_size, "max_batch": 1}},
         "objects": objects,
         # min_subscribers: the engine waits for us before decoding, so no result is sent before we listen.
         "publish": {"endpoint": endpoint, "min_subscribers": 1},
