@@ -16,7 +16,7 @@ def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
     clip = write_clip(tmp_path / "c.mp4", 30)
     port = free_port()
     cfg = {"streams": [{"id": "clip", "url": str(clip), "mode": "offline"}],
-           "models": {"vit": {"name": "test_vit", "weights": "random", "max_batch": 4}},
+           "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "publish": {"endpoint": f"tcp://127.0.0.1:{port}", "min_subscribers": 1},
            "metrics": {"enabled": False}, "status": {"interval_s": 0.5}, "control": {"enabled": False}}
     path = tmp_path / "c.yaml"

@@ -160,19 +160,19 @@ def _published_fraction(eng, sid, runner_done, timeout_s):
     t_end = time.monotonic() + timeout_s
     while not runner_done() and time.monotonic() < t_end:
         time.sleep(0.05)
-    snap = eng.pools["vit"].acct.snapshot(sid)
+    snap = eng.pools["classify"].acct.snapshot(sid)
     while snap.in_flight and time.monotonic() < t_end:
         time.sleep(0.05)
-        snap = eng.pools["vit"].acct.snapshot(sid)
+        snap = eng.pools["classify"].acct.snapshot(sid)
     assert runner_done() and snap.in_flight == 0, snap
     return snap
 
 
 def _live_engine(url, endpoint, **sections):
     cfg = engine_config([{"id": "cam", "url": url, "mode": "live"}], endpoint, budget={"latency_ms": BUDGET_S * 1e3},
-                        models={"vit": {"max_batch": 2}}, publish={"min_subscribers": 1}, **sections)
+                        models={"classify": {"max_batch": 2}}, publish={"min_subscribers": 1}, **sections)
     col = Collector(endpoint, ["cam"])
-    eng = Engine(cfg, workers={"vit": NullWorker(per_frame_s=MODEL_S)})
+    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=MODEL_S)})
     eng.start()
     return eng, col
 
@@ -209,7 +209,7 @@ def test_live_rtsp_publishes_nearly_every_frame_within_a_true_budget(clip10s, en
     # known complete, allowing one frame interval for scheduling between the tap and the demuxer.
     wire = tap.sessions[0]
     released, base = wire.released(), wire.order[0]
-    results = [m for m in msgs if m["type"] == "vit"]
+    results = [m for m in msgs if m["type"] == "classify"]
     late = []
     for m in results:
         ts = (base + round(m["pts"] * 90000)) & 0xFFFFFFFF

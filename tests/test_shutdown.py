@@ -20,7 +20,7 @@ VIDAR = [sys.executable, "-m", "engine.cli", "run"]
 def start_engine(tmp_path, streams=3):
     port = free_port()
     cfg = {"streams": [{"id": f"c{i}", "url": "synthetic://shapes?size=320x240&fps=30"} for i in range(streams)],
-           "models": {"vit": {"name": "test_vit", "weights": "random", "max_batch": 4}},
+           "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "budget": {"latency_ms": 300}, "shutdown_timeout_s": 5,
            "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False},
            "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}}
