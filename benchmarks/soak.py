@@ -58,7 +58,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -84,6 +83,7 @@ from engine.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
 from engine.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
 from tests.conftest import write_clip  # noqa: E402
+from tests.media import corrupt_mdat  # noqa: E402
 
 log = logging.getLogger("soak")
 
@@ -132,33 +132,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# -- the corrupt clip ------------------------------------------------------------------------
-def corrupt_clip(src: Path, dst: Path, fraction: float, seed: int) -> dict:
-    """Flip `fraction` of the bytes of the mp4's mdat payload (the container boxes stay intact,
-    so the file opens and every loop decodes through corrupt packets)."""
-    data = bytearray(src.read_bytes())
-    off, mdat = 0, None
-    while off + 8 <= len(data):
-        size, typ = struct.unpack(">I4s", data[off:off + 8])
-        hdr = 8
-        if size == 1:
-            size, hdr = struct.unpack(">Q", data[off + 8:off + 16])[0], 16
-        elif size == 0:
-            size = len(data) - off
-        if typ == b"mdat":
-            mdat = (off + hdr, off + size)
-        off += size
-    if mdat is None:
-        raise RuntimeError(f"{src}: no mdat box")
-    rng = np.random.default_rng(seed)
-    a, b = mdat[0] + 64, mdat[1]  # keep the first NAL (SPS/PPS, first slice header) readable
-    n = int(fraction * (b - a))
-    for i in rng.choice(np.arange(a, b), size=n, replace=False):
-        data[int(i)] ^= int(rng.integers(1, 256))
-    dst.write_bytes(bytes(data))
-    return {"mdat_bytes": mdat[1] - mdat[0], "flipped": n}
 
 
 # -- RTSP server -----------------------------------------------------------------------------
@@ -483,7 +456,7 @@ class Soak:
         self.work = work = Path(tempfile.mkdtemp(prefix="vidar-soak-"))
         clip = write_clip(work / "clip.mp4", 90, (320, 240), fps=a.fps, seed=3)
         bad = work / "corrupt.mp4"
-        corruption = corrupt_clip(clip, bad, a.corrupt_fraction, a.seed)
+        corruption = corrupt_mdat(clip, bad, a.corrupt_fraction, a.seed)
 
         # main() has probed the server already (and stopped if it is missing)
         rtsp_ok, rtsp_why = (False, "disabled by --no-rtsp") if a.no_rtsp else (True, "")

@@ -4,7 +4,7 @@ Example::
 
     from engine.client import Subscriber
 
-    with Subscriber("tcp://127.0.0.1:5556", topics=["vit.cam1", "event."]) as sub:
+    with Subscriber("tcp://127.0.0.1:5556", topics=["classify.cam1", "event."]) as sub:
         for msg in sub:
             if msg["type"] == "event":
                 print(msg["stream"], msg["kind"], msg["reason"])
@@ -34,7 +34,7 @@ class Subscriber:
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
-        for t in topics:  # ZeroMQ prefix match: "vit." is every stream's results
+        for t in topics:  # ZeroMQ prefix match: "classify." is every stream's results
             self._sock.setsockopt(zmq.SUBSCRIBE, t.encode())
 
     def recv(self, timeout: Optional[float] = None) -> Optional[dict]:

@@ -48,7 +48,11 @@ def _wait(fut: Future, timeout: float, op: str) -> Any:
     try:
         return fut.result(timeout)
     except FutureTimeout:
-        raise ControlError(f"{op}: no answer from the engine within {timeout:g} s (overloaded? try again)") from None
+        # A request that has not started is dropped (an add_stream still waiting for the same id's
+        # removal, a request still queued): the caller was told it failed, so it must not happen later.
+        fut.abandoned = True
+        raise ControlError(f"{op}: no answer from the engine within {timeout:g} s (overloaded, or an add waiting "
+                           "for a removal of the same id): not applied if it had not started; check with list") from None
 
 
 def handle(engine, req: Any, timeout: float = 10.0) -> dict:

@@ -92,6 +92,8 @@ class EngineCore:
     def _apply_messages(self) -> None:
         while self._inbox:
             fn, args, fut = self._inbox.popleft()
+            if getattr(fut, "abandoned", False):  # its caller timed out and was told so
+                continue
             try:
                 out = fn(*args)
             except Exception as err:  # the caller gets it; the core goes on

@@ -41,9 +41,8 @@ class Pool:
                  credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic):
         if not spec.workers:
-            raise ValueError("a pool needs at least one worker")
+            raise ValueError(f"pool {spec.name}: a pool needs at least one worker")
         self.name, self.spec = spec.name, spec
-        self.workers = spec.workers
         self.acct = Accounting(spec.name)
         self.scheduler = EdfScheduler(max_batch=spec.max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
         self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
@@ -69,6 +68,11 @@ class Pool:
         return self.name
 
     @property
+    def workers(self) -> list:
+        """The worker instances in use (a failed one is replaced by its rebuilt successor)."""
+        return [r.worker for r in self.runners] if self.runners else list(self.spec.workers)
+
+    @property
     def weights_tag(self) -> str:
         return self.output.weights
 
@@ -81,7 +85,7 @@ class Pool:
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
 
     def start(self) -> None:
-        self.runners = [self._new_runner(i, w) for i, w in enumerate(self.workers)]
+        self.runners = [self._new_runner(i, w) for i, w in enumerate(self.spec.workers)]
         self.output.start()
 
     def _new_runner(self, index: int, worker) -> WorkerThread:

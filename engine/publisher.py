@@ -66,6 +66,7 @@ class _Event:
     kind: str
     reason: str
     on_sent: Optional[Callable[[], None]] = None
+    fields: Optional[Callable[[], dict]] = None  # extra fields, read when the event is sent
 
 
 @dataclass
@@ -147,8 +148,10 @@ class Publisher:
                 held[meta.stream] += 1
             self._cond.notify()
 
-    def submit_event(self, stream: str, kind: str, reason: str, on_sent: Optional[Callable[[], None]] = None) -> None:
-        """Queue an event after the stream's queued results. Never blocks; bounded per stream."""
+    def submit_event(self, stream: str, kind: str, reason: str, on_sent: Optional[Callable[[], None]] = None,
+                     fields: Optional[Callable[[], dict]] = None) -> None:
+        """Queue an event after the stream's queued results. Never blocks; bounded per stream. `fields`
+        is called when the event is sent (an eos's final counts: by then every result before it ended)."""
         with self._cond:
             if self._closing and not self._thread.is_alive():
                 self.stats.events_dropped[stream] += 1
@@ -157,7 +160,7 @@ class Publisher:
             box = self._box(stream)
             if box.events >= EVENTS_PER_STREAM and self._evict_event(stream, box):
                 self.stats.events_dropped[stream] += 1
-            box.items.append(_Event(stream, kind, reason, on_sent))
+            box.items.append(_Event(stream, kind, reason, on_sent, fields))
             box.events += 1
             self._cond.notify()
 
@@ -264,7 +267,10 @@ class Publisher:
                     return
                 item = box.items[0]
             if isinstance(item, _Event):
-                if not self._send([topic("event", item.stream), pack(event_message(item.stream, item.kind, item.reason))]):
+                msg = event_message(item.stream, item.kind, item.reason)
+                if item.fields is not None:
+                    msg.update(item.fields())
+                if not self._send([topic("event", item.stream), pack(msg)]):
                     return self._park(box, now)
                 with self._cond:
                     box.items.popleft()

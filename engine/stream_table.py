@@ -196,7 +196,12 @@ class StreamTable:
         def sent() -> None:
             entry.eos_sent = True
             self._wake()
-        self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent)
+
+        def counts() -> dict:  # read when the eos is sent: every result before it has ended by then
+            snaps = {name: self._pools[name].acct.snapshot(entry.id) for name in entry.pools}
+            return {"counts": {name: {"ingested": s.ingested, "published": s.published, "dropped": s.dropped,
+                                      "failed": s.failed} for name, s in snaps.items()}}
+        self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent, fields=counts)
         if entry.removal is not None and not entry.removal.done():
             entry.removal.set_result(None)
 
@@ -207,7 +212,8 @@ class StreamTable:
         self._publisher.forget(entry.id)
         for scfg, fut in [d for d in self._deferred if d[0].id == entry.id]:
             self._deferred.remove((scfg, fut))
-            self.add(scfg, fut)
+            if not getattr(fut, "abandoned", False):  # the caller gave up waiting and was told it failed
+                self.add(scfg, fut)
 
     def all_done(self) -> bool:
         return all(e.eos_queued for e in self._entries.values())

@@ -46,6 +46,7 @@ class SourceRunner:
         self.end_reason = ""
         self.failed = False
         self.seq = 0
+        self._session_frames = 0  # frames the current (or last) session wrote into the ring
         self.reconnects = 0
         self.attempts: deque = deque(maxlen=64)  # monotonic times of connection attempts (bounded)
         self.backoff: deque = deque(maxlen=64)   # the pauses chosen after failed attempts and ended sessions
@@ -106,8 +107,19 @@ class SourceRunner:
         elif self.source.session_error:  # a truncated or unreadable file: what was readable was delivered
             log.warning("stream %s: ended early: %s", self.stream, self.source.session_error)
             self.end_reason = f"ended early: {self.source.session_error}"
+        elif self._short_of_declared():
+            # FFmpeg ends a truncated file like a complete one; its index says how many frames it held
+            why = f"{self._session_frames} of the {self.total_frames} frames the file declares (truncated?)"
+            log.warning("stream %s: ended early: %s", self.stream, why)
+            self.end_reason = f"ended early: {why}"
         else:
             self.end_reason = "end of stream"
+
+    def _short_of_declared(self) -> bool:
+        """The last pass delivered clearly fewer frames than the container declares (2 % slack for
+        declarations estimated from duration x rate)."""
+        total = self.total_frames
+        return bool(total) and self._session_frames < total - max(1, int(0.02 * total))
 
     def _run_network(self) -> None:
         failures = 0  # failed opens in a row
@@ -170,6 +182,7 @@ class SourceRunner:
         """
         pacer = _Pacer(self.source.fps) if self.live and not self.source.network else None
         first = last = None
+        self._session_frames = 0
         for frame in self.source.frames():
             if self._stop.is_set():
                 break
@@ -185,6 +198,7 @@ class SourceRunner:
             if not self.ring.write(meta, frame.rgb, self._stop):
                 break
             self.seq += 1
+            self._session_frames += 1
             last = time.monotonic()
             first = last if first is None else first
         return last - first if first is not None else 0.0

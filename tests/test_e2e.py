@@ -65,6 +65,8 @@ def test_offline_file_every_frame_once_then_eos(tmp_path, endpoint):
     events = [m for m in msgs if m["type"] == "event"]
     assert sorted(m["seq"] for m in results) == list(range(n))
     assert [e["kind"] for e in events] == ["started", "eos"] and events[-1]["reason"] == "end of stream"
+    # the eos carries the stream's final accounting, read when it was sent (after the last result)
+    assert events[-1]["counts"] == {"classify": {"ingested": n, "published": n, "dropped": {}, "failed": {}}}
     assert msgs[-1]["kind"] == "eos"  # after the last result
     assert all(m["weights"] == "random" and len(m["topk"]) == 5 for m in results)
     s = eng.pools["classify"].acct.snapshot("f1")

@@ -33,7 +33,7 @@ def time_batches(run: Callable[[Any], Any], make_input: Callable[[int], Any], ba
 
 
 class Worker(ABC):
-    #: message `type` and topic prefix (`vit.<stream>`)
+    #: message `type` and topic prefix (`classify.<stream>`)
     kind: str = "worker"
     #: "pretrained", "random" or the weights file name; copied into every message
     weights_tag: str = "random"

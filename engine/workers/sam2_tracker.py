@@ -130,6 +130,8 @@ class DecoderStage:
     # -- data plane -------------------------------------------------------------------------
     def step(self, frames: list[tuple[str, FrameFeatures, tuple[int, int]]]) -> list[list[dict]]:
         """begin + track + commit: for a caller that owns the stage alone (tests, benchmarks)."""
+        for stream, _, _ in frames:
+            self._track(stream)  # an unknown stream is an error here, not a skipped frame
         staged = self.begin([s for s, _, _ in frames])
         out, events = self.track(staged, frames)
         self.commit(staged, events)
