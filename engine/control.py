@@ -32,10 +32,11 @@ log = logging.getLogger("vidar.control")
 CORE_OPS = ("list", "add_stream", "remove_stream")
 OPS = CORE_OPS + tuple(op for ops in FAMILY_OPS.values() for op in ops)
 
-__all__ = ["ControlError", "OPS", "handle", "request", "serve"]
+__all__ = ["ControlError", "OPS", "bind", "handle", "need", "request", "serve"]
 
 
-def _need(req: dict, key: str, kind: type) -> Any:
+def need(req: dict, key: str, kind: type) -> Any:
+    """req[key], which must be a `kind`; a ControlError naming the op and the key otherwise."""
     if key not in req:
         raise ControlError(f"{req.get('op')}: missing key {key!r}")
     value = req[key]
@@ -67,7 +68,7 @@ def handle(engine, req: Any, timeout: float = 10.0) -> dict:
             return {"ok": True, "streams": engine.describe()}
         if op == "add_stream":
             try:
-                scfg = StreamConfig.model_validate(_need(req, "stream", dict))
+                scfg = StreamConfig.model_validate(need(req, "stream", dict))
             except ValidationError as err:
                 e = err.errors()[0]
                 raise ControlError(f"add_stream: stream.{'.'.join(map(str, e['loc']))}: {e['msg']}") from None
@@ -75,7 +76,7 @@ def handle(engine, req: Any, timeout: float = 10.0) -> dict:
             log.info("stream %s added (%s)", scfg.id, redact_url(scfg.url))
             return {"ok": True, "stream": scfg.id}
         if op == "remove_stream":
-            _wait(engine.core.call(engine.table.remove, _need(req, "stream", str)), timeout, op)
+            _wait(engine.core.call(engine.table.remove, need(req, "stream", str)), timeout, op)
             return {"ok": True}
         pool = engine.pool_serving(op)
         if pool is not None:

@@ -27,7 +27,7 @@ class Collector:
 
     def _run(self):
         ended = set()
-        while ended != self.streams:
+        while not self.streams <= ended:
             m = self.sub.recv(30)
             if m is None:
                 return

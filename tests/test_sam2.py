@@ -320,10 +320,13 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
 
     def busy_with_b():
         return acct.snapshot("b").held.get("workers", 0) + acct.snapshot("b").held.get("output", 0) > 0
+    col = Collector(endpoint, ["a"])  # it stops at a's eos, which never comes while the test runs
+    col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.b")
     try:
         for _ in range(4):
             assert wait_until(busy_with_b, 30), acct.snapshot("b")
             assert eng.control({"op": "remove_stream", "stream": "b"}, timeout=60) == {"ok": True}
+            time.sleep(0.5)  # as between two `vidar control` calls (the first engine failed a's frames then)
             assert eng.control({"op": "add_stream", "stream": {"id": "b", "url": "synthetic://shapes?size=160x120&fps=15"}})["ok"]
             assert eng.control({"op": "add_object", "stream": "b", "id": 1, "box": [10, 10, 80, 60]})["ok"]
         published = acct.snapshot("a").published
@@ -333,6 +336,18 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
     a = acct.snapshot("a")
     assert a.failed == {} and eng.check_dead() is None and a.balanced() and a.in_flight == 0
     assert eng.pools["sam2"].spec.processor.stage.object_failures == {}
+    # each incarnation of b: its results, then its eos; a new incarnation starts at seq 0 (the first
+    # engine could hand an old incarnation's frames to the new one's tracker)
+    b = [m for m in col.wait(10) if m["stream"] == "b"]
+    runs, current = [], []
+    for m in b:
+        if m["type"] == "event" and m["kind"] == "eos":
+            runs.append(current)
+            current = []
+        elif m["type"] == "sam2":
+            current.append(m["seq"])
+    assert len(runs) == 5 and current == []  # 4 removals, then the shutdown's eos; nothing after an eos
+    assert all(run == sorted(run) and (not run or run[0] < 5) for run in runs)
 
 
 def wait_until(pred, timeout):

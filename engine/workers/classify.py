@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from .base import Worker, time_batches
 from .models import (InputContract, Preprocessor, fetch_pretrained, load_strict, read_state_dict, resolve_device,
                      resolve_dtype)
-from .registry import PoolSpec
+from .registry import PoolSpec, instances
 
 log = logging.getLogger("vidar.classify")
 
@@ -150,8 +150,6 @@ def build_pool(cfg: ClassifyConfig, *, workers: list[Worker] | None = None,
                factory: Callable[[], Worker] | None = None) -> PoolSpec:
     """`cfg.workers` instances sharing one copy of the model; a failed one is rebuilt from the same model."""
     if workers is None:
-        first = ClassifierWorker(cfg)
-        workers = [first] + [ClassifierWorker(cfg, model=first.model, weights_tag=first.weights_tag)
-                             for _ in range(cfg.workers - 1)]
-        factory = factory or (lambda: ClassifierWorker(cfg, model=first.model, weights_tag=first.weights_tag))
+        workers, more = instances(lambda **kw: ClassifierWorker(cfg, **kw), cfg.workers)
+        factory = factory or more
     return PoolSpec("classify", workers, factory, cfg.max_batch, cfg.threads)

@@ -27,6 +27,16 @@ class PoolSpec:
     processor: Optional[OutputProcessor] = None  # run on the pool's output thread
 
 
+def instances(make: Callable[..., Worker], n: int) -> tuple[list[Worker], Callable[[], Worker]]:
+    """`n` worker instances sharing the first one's model (weights loaded once), and a factory for a
+    fresh instance after a failure. `make(model=None, weights_tag=None)` builds one."""
+    first = make()
+
+    def more() -> Worker:
+        return make(model=first.model, weights_tag=first.weights_tag)
+    return [first] + [more() for _ in range(n - 1)], more
+
+
 def build_pool(name: str, cfg, workers: Optional[list[Worker]] = None,
                factory: Optional[Callable[[], Worker]] = None) -> PoolSpec:
     if name not in FAMILIES:

@@ -9,10 +9,11 @@ import torch
 from pydantic import ValidationError
 
 from ..config import ObjectConfig, Sam2Config
+from ..control import need
 from ..errors import ControlError
 from .base import OutputProcessor, Worker, time_batches
 from .models import Preprocessor, resolve_device
-from .registry import PoolSpec
+from .registry import PoolSpec, instances
 from .sam2_model import KEY, build_sam2_model, sam2_contract
 from .sam2_tracker import DecoderStage, Prompt, encode, render
 
@@ -94,9 +95,9 @@ class Sam2Processor(OutputProcessor):
                 raise ControlError(f"add_object: {'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}") from None
             self.stage.add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
         elif op == "remove_object":
-            self.stage.remove_object(_need(request, "stream", str), _need(request, "id", int))
+            self.stage.remove_object(need(request, "stream", str), need(request, "id", int))
         elif op == "reset_stream":
-            self.stage.reset_stream(_need(request, "stream", str))
+            self.stage.reset_stream(need(request, "stream", str))
         else:
             raise ControlError(f"sam2: unknown op {op!r}")
         return {}
@@ -135,22 +136,11 @@ def _render_frame(objs: list[dict], height: int, width: int) -> dict:
     return fields
 
 
-def _need(req: dict, key: str, kind: type):
-    value = req.get(key)
-    if value is None:
-        raise ControlError(f"{req.get('op')}: missing key {key!r}")
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise ControlError(f"{req.get('op')}: {key!r} must be a {kind.__name__}, got {value!r}")
-    return value
-
-
 def build_pool(cfg: Sam2Config, *, workers: list[Worker] | None = None,
                factory: Callable[[], Worker] | None = None) -> PoolSpec:
     """Encoder instances sharing one model, and the shared decoder stage as the output processor."""
     if workers is None:
-        first = Sam2EncoderWorker(cfg)
-        workers = [first] + [Sam2EncoderWorker(cfg, model=first.model, weights_tag=first.weights_tag)
-                             for _ in range(cfg.encoders - 1)]
-        factory = factory or (lambda: Sam2EncoderWorker(cfg, model=first.model, weights_tag=first.weights_tag))
+        workers, more = instances(lambda **kw: Sam2EncoderWorker(cfg, **kw), cfg.encoders)
+        factory = factory or more
     decoder = DecoderStage(workers[0].model, max_objects=cfg.max_objects)
     return PoolSpec("sam2", workers, factory, cfg.max_batch, cfg.threads, processor=Sam2Processor(decoder))
