@@ -17,11 +17,12 @@ from tests.test_classify import seeded_model, timm_reference
 
 
 class Collector:
-    """Subscribes before the engine starts and keeps every message until a stream's eos."""
+    """Subscribes before the engine starts and keeps every message until each of `streams` has sent an eos,
+    then (linger_s > 0) until the publisher has been quiet for linger_s: other streams' last messages."""
 
-    def __init__(self, endpoint, streams):
+    def __init__(self, endpoint, streams, linger_s=0.0):
         self.sub = Subscriber(endpoint, ["classify.", "event."])
-        self.msgs, self.streams = [], set(streams)
+        self.msgs, self.streams, self.linger_s = [], set(streams), linger_s
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
@@ -34,6 +35,8 @@ class Collector:
             self.msgs.append(m)
             if m["type"] == "event" and m["kind"] == "eos":
                 ended.add(m["stream"])
+        while self.linger_s > 0 and (m := self.sub.recv(self.linger_s)) is not None:
+            self.msgs.append(m)
 
     def wait(self, timeout=60):
         self._t.join(timeout)
