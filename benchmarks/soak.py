@@ -375,7 +375,7 @@ class Soak:
                "live_streams": sorted(eng.live_streams()), "published": sum(s["published"] for s in streams.values()),
                "received": self.sub.received, "sub_latency_ms": round(self.sub.last_latency_ms, 1),
                "publisher": publisher_stats(eng.publisher), "publisher_pending": eng.publisher.pending(),
-               "rebuilds": pool.rebuilds, "audit": {p: {s: list(v) for s, v in b.items()} for p, b in audit.items()},
+               "rebuilds": pool.slots.rebuilds, "audit": {p: {s: list(v) for s, v in b.items()} for p, b in audit.items()},
                "py_objects": len(gc.get_objects()), "ring_mb": round(self.ring_bytes() / 2 ** 20, 2),
                "heap": heap_stats(), "smaps": smaps_mb(), "streams": streams}
         bad = eng.streams.get("bad0")
@@ -419,7 +419,7 @@ class Soak:
     def arm_worker_kill(self) -> None:
         """The next batch on worker 0 raises, once; the pool must rebuild that worker."""
         pool = self.eng.pools[POOL]
-        w = pool.runners[0].worker  # the instance worker thread 0 runs now (a rebuild replaces pool.workers[0])
+        w = pool.slots.runners[0].worker  # the instance worker thread 0 runs now (a rebuild replaces pool.slots.workers[0])
         soak = self
 
         def boom(inputs):
@@ -429,7 +429,7 @@ class Soak:
             raise ModelError("soak: injected worker failure")
         w.infer = boom
         self.kill_at = self.elapsed()
-        self.action("worker_kill_armed", worker=0, rebuilds_before=pool.rebuilds)
+        self.action("worker_kill_armed", worker=0, rebuilds_before=pool.slots.rebuilds)
 
     def action(self, kind: str, **info) -> None:
         rec = {"t": round(self.elapsed(), 2), "action": kind, **info}
@@ -610,12 +610,12 @@ class Soak:
         if published and delivered != {k: v for k, v in published.items() if v}:
             self.fail(f"final: subscriber received {delivered} but the engine counted {published} published")
         # the worker kill: fired, the worker rebuilt, results kept flowing
-        kill = {"armed_at": self.kill_at, "fired_at": self.kill_fired_t, "rebuilds": pool.rebuilds if pool else None}
+        kill = {"armed_at": self.kill_at, "fired_at": self.kill_fired_t, "rebuilds": pool.slots.rebuilds if pool else None}
         if self.kill_at is not None:
             if not self.kill_fired.is_set():
                 self.fail("worker kill: the injected failure never ran")
-            elif pool.rebuilds != 1:
-                self.fail(f"worker kill: pool rebuilt {pool.rebuilds} workers, expected 1")
+            elif pool.slots.rebuilds != 1:
+                self.fail(f"worker kill: pool rebuilt {pool.slots.rebuilds} workers, expected 1")
             else:
                 after = [s for s in self.samples if s["t"] >= self.kill_fired_t]
                 kill["failed_frames"] = sum(sum(s["failed"].values()) for s in final.values())

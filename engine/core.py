@@ -25,11 +25,12 @@ from .errors import ControlError
 from .frame import DropReason, FailReason
 from .pool import Pool
 from .stream_table import StreamTable
+from .threaded import OwnThread
 
 log = logging.getLogger("vidar.core")
 
 
-class EngineCore:
+class EngineCore(OwnThread):
     def __init__(self, pools: dict[str, Pool], table: StreamTable, *, shutdown_timeout_s: float,
                  clock: Callable[[], float] = time.monotonic):
         self.pools, self.table = pools, table
@@ -59,14 +60,6 @@ class EngineCore:
         self._inbox.append((fn, args, fut))
         self._wake.set()
         return fut
-
-    def join(self, timeout: float) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     # -- the core thread ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,4 +1,5 @@
-"""One model pool: its rings, a pure scheduler, worker threads, and an output stage.
+"""One model pool: its rings, a pure scheduler, its worker slots (worker_slots.py: the worker
+threads and their watchdog) and its output stage (output.py).
 
 The pool has no thread of its own for scheduling: the engine core thread (its one owner) calls
 `step(now)`, which takes ready frames from the rings into the scheduler, drops the frames that
@@ -20,7 +21,8 @@ from typing import Callable, Optional
 
 from .accounting import Accounting
 from .config import FaultsConfig
-from .executor import Batch, BatchResult, WorkerThread
+from .drop_log import DropLog
+from .executor import Batch, WorkerThread
 from .faults import FaultPolicy
 from .frame import DropReason, FailReason
 from .latency import LatencyModel
@@ -29,11 +31,10 @@ from .output import OutputStage
 from .publisher import Publisher
 from .ring import FrameRing, FrameView
 from .scheduler import EdfScheduler
+from .worker_slots import WorkerSlots
 from .workers.registry import PoolSpec
 
 log = logging.getLogger("vidar.pool")
-
-LOG_EVERY_S = 5.0  # drops are logged in aggregate, never per frame
 
 
 class Pool:
@@ -46,31 +47,19 @@ class Pool:
         self.acct = Accounting(spec.name)
         self.scheduler = EdfScheduler(max_batch=spec.max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
         self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
-        self._batch_timeout_s, self._credit = faults.batch_timeout_s, credit
-        self._publisher, self._metrics, self._wake, self._clock = publisher, metrics, wake, clock
+        self._batch_timeout_s, self._credit, self._metrics = faults.batch_timeout_s, credit, metrics
         self.rings: dict[str, FrameRing] = {}
-        self.runners: list[WorkerThread] = []
         self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done)
         self._next_batch = 0
         self.batches = 0
-        self.rebuilds = 0  # worker instances replaced after a failed or hung batch
-        self._drops: Counter = Counter()  # (stream, reason) since the last aggregated log line
-        self._last_log = time.monotonic()
+        self.drop_log = DropLog(spec.name, self.acct.lock)
         self.output = OutputStage(spec.name, kind=spec.name, weights=spec.workers[0].weights_tag, acct=self.acct,
                                   publisher=publisher, faults=self.faults, processor=spec.processor,
-                                  on_timing=self._timing, on_drop=self._note_drop, clock=clock)
+                                  on_timing=self._timing, on_drop=self.drop_log.note, clock=clock)
+        self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
+                                 metrics=metrics, wake=wake, clock=clock)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)
-        self.acct.add_holder("workers", self._held_by_workers)
         self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
-
-    @property
-    def kind(self) -> str:
-        return self.name
-
-    @property
-    def workers(self) -> list:
-        """The worker instances in use (a failed one is replaced by its rebuilt successor)."""
-        return [r.worker for r in self.runners] if self.runners else list(self.spec.workers)
 
     @property
     def weights_tag(self) -> str:
@@ -79,34 +68,21 @@ class Pool:
     # -- start / stop -------------------------------------------------------------------------
     def warmup(self) -> None:
         sizes = sorted({1, self.scheduler.max_batch})
-        for b, seconds in self.workers[0].warmup(sizes).items():
+        for b, seconds in self.slots.workers[0].warmup(sizes).items():
             self.scheduler.update(b, seconds)
-        log.info("pool %s: %d worker(s); warm-up %s", self.name, len(self.workers),
+        log.info("pool %s: %d worker(s); warm-up %s", self.name, len(self.slots.workers),
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
 
     def start(self) -> None:
-        self.runners = [self._new_runner(i, w) for i, w in enumerate(self.spec.workers)]
+        self.slots.start()
         self.output.start()
-
-    def _new_runner(self, index: int, worker) -> WorkerThread:
-        return WorkerThread(self.name, index, worker, threads=self.spec.threads, on_done=self._completed,
-                            factory=self._rebuild_worker if self.spec.factory else None, wake=self._wake,
-                            clock=self._clock)
-
-    def _rebuild_worker(self):
-        """A fresh worker instance (sharing the model) for a slot whose instance failed or hung."""
-        self.rebuilds += 1
-        return self.spec.factory()
 
     def stop(self, timeout: float) -> bool:
         """Workers and the output stage end (after abort or drain). True if every thread ended."""
         t_end = time.monotonic() + timeout
-        ok = True
-        for r in self.runners:
-            ok &= r.stop(max(0.1, t_end - time.monotonic()))
+        ok = self.slots.stop(timeout)
         ok &= self.output.stop(max(0.1, t_end - time.monotonic()))
-        for w in {id(r.worker): r.worker for r in self.runners}.values():
-            w.close()
+        self.slots.close()
         return ok
 
     # -- rings (core thread) ---------------------------------------------------------------------
@@ -144,11 +120,12 @@ class Pool:
         """Pull, schedule, dispatch. Returns when to step again at the latest (None: on a wake-up)."""
         while self._timings:
             self.scheduler.update(*self._timings.popleft())
-        self._watchdog(now)
+        self.slots.watchdog(now)
+        self.output.check_hung(now, self._batch_timeout_s)
         wake_at = None
         with self.acct.lock:
             self._pull(now)
-            while (runner := self._idle_runner()) is not None:
+            while (runner := self.slots.idle()) is not None:
                 plan = self.scheduler.schedule(now)
                 for fv in plan.dropped:
                     self._drop(fv, DropReason.DEADLINE)
@@ -156,11 +133,8 @@ class Pool:
                     wake_at = plan.wake_at
                     break
                 self._dispatch(runner, plan.batch, now)
-        self._log_drops()
+        self.drop_log.flush()
         return wake_at
-
-    def _idle_runner(self) -> Optional[WorkerThread]:
-        return next((r for r in self.runners if r.idle and not r.abandoned), None)
 
     def _pull(self, now: float) -> None:
         """Ledger lock held. An offline stream takes no more than its credit: results it has in the
@@ -187,52 +161,14 @@ class Pool:
         self.batches += 1
         runner.submit(batch)
 
-    def _held_by_workers(self) -> Counter:
-        return Counter(fv.meta.stream for r in self.runners if r.current is not None for fv in r.current.frames)
-
-    def _completed(self, runner: WorkerThread, res: BatchResult) -> bool:
-        """Worker thread: hand the batch to the output stage, unless the watchdog already did."""
-        with self.acct.lock:
-            if runner.abandoned or runner.current is not res.batch:
-                return False
-            runner.current = None
-            self.output.submit(res)
-        if self._metrics and res.fail_reason is None:
-            for _ in res.frames:
-                self._metrics.observe(self.name, "inference", res.elapsed)
-        return True
-
     def _timing(self, batch_size: int, seconds: float) -> None:
         self._timings.append((batch_size, seconds))
 
-    def _watchdog(self, now: float) -> None:
-        """A batch running longer than batch_timeout_s is hung: it fails (model_hang), its worker thread
-        is abandoned and replaced by a fresh one with a rebuilt worker. The output stage likewise."""
-        for i, r in enumerate(list(self.runners)):
-            with self.acct.lock:
-                batch, since = r.current, r.busy_since
-                if batch is None or since is None or now - since <= self._batch_timeout_s:
-                    continue
-                r.abandoned, r.current = True, None  # from here on nothing it finishes is accepted
-                err = TimeoutError(f"batch outran faults.batch_timeout_s={self._batch_timeout_s:g}")
-                self.output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_HANG, error=err))
-            # outside the lock (a rebuild may take a while); the abandoned slot is never dispatched to
-            self.runners[i] = self._new_runner(i, self._rebuild_worker() if self.spec.factory else r.worker)
-            for fv in batch.frames:
-                fv.release()  # the hung worker may never get to it
-            log.error("pool %s: batch of %d hung for %.1f s on worker %d: replaced the worker", self.name,
-                      len(batch.frames), now - since, i)
-        self.output.check_hung(now, self._batch_timeout_s)
-
-    # -- drops, abort, logs -------------------------------------------------------------------------
+    # -- drops, abort -------------------------------------------------------------------------
     def _drop(self, fv: FrameView, reason: DropReason) -> None:
         self.acct.drop(fv.meta.stream, reason)
-        self._note_drop(fv.meta.stream, reason)
+        self.drop_log.note(fv.meta.stream, reason)
         fv.release()
-
-    def _note_drop(self, stream: str, reason: DropReason) -> None:
-        """Ledger lock held (core and output threads both count here)."""
-        self._drops[(stream, reason.value)] += 1
 
     def abort(self, *, drop: Optional[DropReason] = None, fail: Optional[FailReason] = None) -> None:
         """Every frame this pool holds ends now: the rings' and the scheduler's, the batches on the
@@ -244,24 +180,8 @@ class Pool:
             for ring in self.rings.values():
                 ring.close()
                 frames += ring.take_ready()
-            for r in self.runners:
-                if r.current is not None:
-                    frames += r.current.frames
-                    r.abandoned, r.current = True, None
+            frames += self.slots.take_all()
             for fv in frames:
                 end(fv)
                 fv.release()
         self.output.abort(drop=drop, fail=fail)
-
-    def _log_drops(self) -> None:
-        now = time.monotonic()
-        if not self._drops or now - self._last_log < LOG_EVERY_S:
-            return
-        with self.acct.lock:
-            counts, self._drops = self._drops, Counter()
-        by_stream: dict[str, list[str]] = {}
-        for (stream, reason), n in sorted(counts.items()):
-            by_stream.setdefault(stream, []).append(f"{n} {reason}")
-        for stream, parts in by_stream.items():
-            log.info("stream %s: pool %s dropped %s in %.0f s", stream, self.name, ", ".join(parts), now - self._last_log)
-        self._last_log = now

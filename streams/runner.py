@@ -20,6 +20,7 @@ from typing import Callable, Optional
 from engine.errors import SourceError
 from engine.frame import FrameMeta
 from engine.ring import FrameRing
+from engine.threaded import OwnThread
 
 from .backoff import Backoff
 from .base import DecodedFrame, Source
@@ -29,7 +30,7 @@ log = logging.getLogger("vidar.source")
 Emit = Callable[[str, str, str], None]  # (stream, kind, reason)
 
 
-class SourceRunner:
+class SourceRunner(OwnThread):
     def __init__(self, source: Source, ring: FrameRing, *, live: bool, loop: bool, budget_s: float,
                  emit: Emit, reconnect_initial_s: float = 0.5, reconnect_max_s: float = 30.0,
                  backoff_reset_after_s: float = 10.0):
@@ -58,14 +59,6 @@ class SourceRunner:
     def stop(self) -> None:
         self._stop.set()
         self.ring.close()  # wakes a writer blocked on back-pressure
-
-    def join(self, timeout: Optional[float] = None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
 
     # -- thread body ---------------------------------------------------------------------
     def _run(self) -> None:

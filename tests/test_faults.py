@@ -49,7 +49,7 @@ def test_hung_batch_is_caught_by_the_watchdog(endpoint):
     hung.release_hang.set()
     s = eng.pools["classify"].acct.snapshot("s")
     assert s.failed == {"model_hang": hung.batch_sizes[1]} and s.published + s.failed["model_hang"] == 30
-    assert eng.pools["classify"].rebuilds == 1 and s.in_flight == 0
+    assert eng.pools["classify"].slots.rebuilds == 1 and s.in_flight == 0
 
 
 def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):

@@ -1,0 +1,113 @@
+"""A pool's worker slots: one worker thread per instance, and the watchdog over them.
+
+A slot runs one batch at a time (executor.WorkerThread). The engine core dispatches to an idle
+slot; the worker thread hands the finished batch to the output stage through `_completed`,
+which accepts it only while that batch is still the slot's `current`. A batch that outruns
+`faults.batch_timeout_s` is failed by the watchdog (model_hang) and its slot gets a fresh thread
+with a rebuilt instance; the hung thread is abandoned and nothing it finishes later is accepted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+from .accounting import Accounting
+from .executor import BatchResult, WorkerThread
+from .frame import FailReason
+from .metrics import Metrics
+from .output import OutputStage
+from .ring import FrameView
+from .workers.registry import PoolSpec
+
+log = logging.getLogger("vidar.pool")
+
+
+class WorkerSlots:
+    def __init__(self, spec: PoolSpec, *, acct: Accounting, output: OutputStage, batch_timeout_s: float,
+                 metrics: Optional[Metrics], wake: Callable[[], None], clock: Callable[[], float]):
+        self.name, self.spec = spec.name, spec
+        self._acct, self._output, self._timeout_s = acct, output, batch_timeout_s
+        self._metrics, self._wake, self._clock = metrics, wake, clock
+        self.runners: list[WorkerThread] = []
+        self.rebuilds = 0  # worker instances replaced after a failed or hung batch
+        acct.add_holder("workers", self.held)
+
+    @property
+    def workers(self) -> list:
+        """The worker instances in use (a failed one is replaced by its rebuilt successor)."""
+        return [r.worker for r in self.runners] if self.runners else list(self.spec.workers)
+
+    def start(self) -> None:
+        self.runners = [self._new_runner(i, w) for i, w in enumerate(self.spec.workers)]
+
+    def stop(self, timeout: float) -> bool:
+        t_end = time.monotonic() + timeout
+        ok = True
+        for r in self.runners:
+            ok &= r.stop(max(0.1, t_end - time.monotonic()))
+        return ok
+
+    def close(self) -> None:
+        for w in {id(r.worker): r.worker for r in self.runners}.values():
+            w.close()
+
+    def _new_runner(self, index: int, worker) -> WorkerThread:
+        return WorkerThread(self.name, index, worker, threads=self.spec.threads, on_done=self._completed,
+                            factory=self._rebuild_worker if self.spec.factory else None, wake=self._wake,
+                            clock=self._clock)
+
+    def _rebuild_worker(self):
+        """A fresh worker instance (sharing the model) for a slot whose instance failed or hung."""
+        self.rebuilds += 1
+        return self.spec.factory()
+
+    # -- core thread, ledger lock held -------------------------------------------------------------
+    def idle(self) -> Optional[WorkerThread]:
+        return next((r for r in self.runners if r.idle and not r.abandoned), None)
+
+    def held(self) -> Counter:
+        return Counter(fv.meta.stream for r in self.runners if r.current is not None for fv in r.current.frames)
+
+    def take_all(self) -> list[FrameView]:
+        """Abort: every batch on a worker is taken back; those threads are abandoned."""
+        frames: list[FrameView] = []
+        for r in self.runners:
+            if r.current is not None:
+                frames += r.current.frames
+                r.abandoned, r.current = True, None
+        return frames
+
+    # -- worker threads -----------------------------------------------------------------------------
+    def _completed(self, runner: WorkerThread, res: BatchResult) -> bool:
+        """Hand the batch to the output stage, unless the watchdog already did."""
+        with self._acct.lock:
+            if runner.abandoned or runner.current is not res.batch:
+                return False
+            runner.current = None
+            self._output.submit(res)
+        if self._metrics and res.fail_reason is None:
+            for _ in res.frames:
+                self._metrics.observe(self.name, "inference", res.elapsed)
+        return True
+
+    # -- watchdog (core thread) ---------------------------------------------------------------------
+    def watchdog(self, now: float) -> None:
+        """A batch running longer than batch_timeout_s is hung: it fails (model_hang), its worker thread
+        is abandoned and replaced by a fresh one with a rebuilt worker."""
+        for i, r in enumerate(list(self.runners)):
+            with self._acct.lock:
+                batch, since = r.current, r.busy_since
+                if batch is None or since is None or now - since <= self._timeout_s:
+                    continue
+                r.abandoned, r.current = True, None  # from here on nothing it finishes is accepted
+                err = TimeoutError(f"batch outran faults.batch_timeout_s={self._timeout_s:g}")
+                self._output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_HANG, error=err))
+            # outside the lock (a rebuild may take a while); the abandoned slot is never dispatched to
+            self.runners[i] = self._new_runner(i, self._rebuild_worker() if self.spec.factory else r.worker)
+            for fv in batch.frames:
+                fv.release()  # the hung worker may never get to it
+            log.error("pool %s: batch of %d hung for %.1f s on worker %d: replaced the worker", self.name,
+                      len(batch.frames), now - since, i)
