@@ -277,9 +277,14 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
     assert (dict(after.cond), list(after.maskmems), list(after.ptrs)) == before  # same entries, same tensors
     assert stage._streams["a"].objects[1].entries() == 1 + 3 + 3  # a went on: prompt + 4th memory pushed
     assert stage.object_failures == {"b": 1} and not stage.events
-    for f in frames[4:6]:
-        stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
-    assert 1 not in stage._streams["b"].objects and stage.object_failures == {"b": 3}
+    for k, f in enumerate(frames[4:6], start=2):
+        out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
+        assert out[1] == [{"id": 1, "error": "RuntimeError: injected failure in b's object"}]
+        assert stage.object_failures == {"b": k} and (1 in stage._streams["b"].objects) == (k < 3)
+    monkeypatch.setattr(DecoderStage, "_track_batch", real)  # b's object is gone, not merely failing
+    f = frames[6]
+    out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
+    assert [o["id"] for o in out[0]] == [1] and out[1] == [] and stage.object_failures == {"b": 3}
     assert [e[:2] for e in stage.events] == [("b", "error")] and "after 3 failed steps" in stage.events[0][2]
     assert all(bank.entries() >= 1 for st in stage._streams.values() for bank in st.objects.values())
 
