@@ -145,7 +145,7 @@ class _StallOnce:
     ops = ()
 
     def __init__(self):
-        self.calls, self.release = 0, threading.Event()
+        self.calls, self.release, self.stalled = 0, threading.Event(), []
 
     def add_stream(self, stream):
         pass
@@ -156,6 +156,7 @@ class _StallOnce:
     def process(self, frames, fields):
         self.calls += 1
         if self.calls == 3:
+            self.stalled = [fv.meta.seq for fv in frames]
             self.release.wait(30)
         return fields, lambda: None
 
@@ -180,15 +181,20 @@ def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
         return spec
     monkeypatch.setattr(engine_module, "build_pool", with_processor)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=30", "mode": "offline"}],
-                        endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
+                        endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5},
+                        publish={"min_subscribers": 1})
+    col = Collector(endpoint, ["s"])
     eng = Engine(cfg, workers={"classify": NullWorker()})
     eng.start()
     assert wait(eng.finished, 20)
     proc.release.set()  # the abandoned thread wakes up: what it finishes must change nothing
     time.sleep(0.2)
     eng.stop()
+    got = sorted(m["seq"] for m in col.wait(10) if m["type"] == "classify")
     s = snap(eng, "s")
-    assert s.failed.get("model_hang", 0) in (1, 2) and s.published + s.failed["model_hang"] == 30
+    # exactly the hung step's frames failed; every other frame was published once, including those after it
+    assert proc.stalled and s.failed == {"model_hang": len(proc.stalled)} and s.dropped == {}
+    assert got == sorted(set(range(30)) - set(proc.stalled)) and max(got) > max(proc.stalled)
     assert s.in_flight == 0 and s.balanced() and eng.pools["classify"].output.replacements == 1
 
 
