@@ -598,8 +598,8 @@ class Soak:
         a, eng = self.args, self.eng
         pool = eng.pools.get(POOL) if eng and eng.pools else None
         final = self.stream_counts() if pool else {}
-        if pool and eng.audit():
-            self.fail(f"final: accounting audit: counters and holders disagree: {eng.audit()}")
+        if pool and (bad := eng.audit()):
+            self.fail(f"final: accounting audit: counters and holders disagree: {bad}")
         for sid, s in final.items():
             if not s["balanced"]:
                 self.fail(f"final: stream {sid}: conservation broken: {s}")

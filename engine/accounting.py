@@ -86,6 +86,16 @@ class Accounting:
         with self.lock:
             return sum(count()[stream] for name, count in self._holders.items() if name not in exclude)
 
+    def held_by_stream(self, *, exclude_prefix: str) -> Counter:
+        """Frames held, by stream, in every holder whose name does not start with `exclude_prefix`:
+        one pass over the holders for all streams (the core's per-step credit check)."""
+        with self.lock:
+            total: Counter = Counter()
+            for name, count in self._holders.items():
+                if not name.startswith(exclude_prefix):
+                    total.update(count())
+            return total
+
     # -- terminal counters ----------------------------------------------------------------
     def _get(self, stream: str) -> StreamCounts:
         c = self._streams.get(stream)

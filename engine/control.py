@@ -51,7 +51,8 @@ def _wait(fut: Future, timeout: float, op: str) -> Any:
     except FutureTimeout:
         # A request that has not started is dropped (an add_stream still waiting for the same id's
         # removal, a request still queued): the caller was told it failed, so it must not happen later.
-        fut.abandoned = True
+        # The core never marks its futures running, so cancel() succeeds until they are resolved.
+        fut.cancel()
         raise ControlError(f"{op}: no answer from the engine within {timeout:g} s (overloaded, or an add waiting "
                            "for a removal of the same id): not applied if it had not started; check with list") from None
 

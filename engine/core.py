@@ -25,7 +25,7 @@ from .errors import ControlError
 from .frame import DropReason, FailReason
 from .pool import Pool
 from .stream_table import StreamTable
-from .threaded import OwnThread
+from .threaded import OwnThread, settle
 
 log = logging.getLogger("vidar.core")
 
@@ -85,22 +85,23 @@ class EngineCore(OwnThread):
     def _apply_messages(self) -> None:
         while self._inbox:
             fn, args, fut = self._inbox.popleft()
-            if getattr(fut, "abandoned", False):  # its caller timed out and was told so
+            if fut.cancelled():  # its caller timed out and was told so
                 continue
             try:
                 out = fn(*args)
             except Exception as err:  # the caller gets it; the core goes on
-                fut.set_exception(err)
+                settle(fut, exc=err)
                 continue
-            if isinstance(out, Future):
+            if isinstance(out, Future):  # e.g. an add deferred until a removal of its id completes
+                fut.add_done_callback(lambda f, out=out: f.cancelled() and out.cancel())
                 out.add_done_callback(lambda f, fut=fut: _follow(fut, f))
             else:
-                fut.set_result(out)
+                settle(fut, out)
 
     def _fail_pending_messages(self) -> None:
         while self._inbox:
             _, _, fut = self._inbox.popleft()
-            fut.set_exception(ControlError(f"the engine core stopped ({self.dead or 'shutdown'})"))
+            settle(fut, exc=ControlError(f"the engine core stopped ({self.dead or 'shutdown'})"))
 
     def _check_dead(self) -> None:
         if self.dead is None:
@@ -116,10 +117,7 @@ class EngineCore(OwnThread):
         log.error("%s", reason)
         try:
             self.table.dead_reason = reason
-            self.table.stop_all(reason)
-            for pool in self.pools.values():
-                pool.abort(fail=FailReason.ENGINE_DEAD)
-            self.table.poll()
+            self.end_all(stop=reason, fail=FailReason.ENGINE_DEAD)
         except Exception:  # best effort: the engine is dead already; the runtime exits 3
             log.exception("while failing the frames in flight")
 
@@ -138,14 +136,25 @@ class EngineCore(OwnThread):
         if now < self._drain_until:
             return False
         log.warning("shutdown: drain timeout (%.1f s): dropping what is left", self._shutdown_timeout_s)
-        for pool in self.pools.values():
-            pool.abort(drop=DropReason.SHUTDOWN)
-        self.table.poll()
+        self.end_all(drop=DropReason.SHUTDOWN)
         return True
+
+    def end_all(self, *, stop: Optional[str] = None, drop: Optional[DropReason] = None,
+                fail: Optional[FailReason] = None) -> None:
+        """Every frame still held ends now (dropped or failed) and every finished stream's eos is queued;
+        with `stop`, the decoders are stopped first with that reason. The owner thread only (the core, or
+        `Engine.stop` once the core has died)."""
+        if stop is not None:
+            self.table.stop_all(stop)
+        for pool in self.pools.values():
+            pool.abort(drop=drop, fail=fail)
+        self.table.poll()
 
 
 def _follow(outer: Future, inner: Future) -> None:
+    if inner.cancelled():
+        return
     if inner.exception() is not None:
-        outer.set_exception(inner.exception())
+        settle(outer, exc=inner.exception())
     else:
-        outer.set_result(inner.result())
+        settle(outer, inner.result())

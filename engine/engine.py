@@ -185,11 +185,8 @@ class Engine:
             self.core.call(self.core.begin_stop, drain)
             if not self.core.join(self.cfg.shutdown_timeout_s + 2.0):
                 log.error("engine core did not stop in time")
-        elif self.table is not None:  # the core died or never ran: this thread is the owner now
-            self.table.stop_all(self.core.dead if self.core and self.core.dead else "shutdown")
-            for pool in self.pools.values():
-                pool.abort(drop=DropReason.SHUTDOWN)
-            self.table.poll()
+        elif self.core is not None:  # the core died or never ran: this thread is the owner now
+            self.core.end_all(stop=self.core.dead or "shutdown", drop=DropReason.SHUTDOWN)
         for pool in self.pools.values():
             pool.stop(max(0.1, t_end - time.monotonic()))
         for entry in self.table.snapshot() if self.table else []:

@@ -59,7 +59,6 @@ class WorkerThread:
         self.abandoned = False  # set by the watchdog (under the ledger lock)
         self.current: Optional[Batch] = None
         self.busy_since: Optional[float] = None
-        self.rebuilds = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
 
@@ -103,7 +102,6 @@ class WorkerThread:
             return
         try:
             self.worker = self._factory()
-            self.rebuilds += 1
         except Exception:  # keep the old instance: a pool with no worker would stall every stream
             log.exception("worker %d: rebuilding the worker failed; keeping the old instance", self.index)
 

@@ -15,13 +15,11 @@ class FaultPolicy:
         self._times: deque = deque()
         self._lock = threading.Lock()
         self.dead: Optional[str] = None  # why this pool killed the engine, once it has
-        self.total = 0
 
     def record(self, reason: str) -> None:
         """One failed or hung batch (or output step). Thread-safe."""
         with self._lock:
             now = self._clock()
-            self.total += 1
             self._times.append(now)
             while self._times and now - self._times[0] > self.window_s:
                 self._times.popleft()

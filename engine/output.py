@@ -34,12 +34,12 @@ log = logging.getLogger("vidar.output")
 
 
 class OutputStage:
-    def __init__(self, pool: str, *, kind: str, weights: str, acct: Accounting, publisher: Publisher,
+    def __init__(self, pool: str, *, weights: str, acct: Accounting, publisher: Publisher,
                  faults: FaultPolicy, processor: Optional[OutputProcessor] = None,
                  on_timing: Callable[[int, float], None] = lambda b, s: None,
                  on_drop: Callable[[str, DropReason], None] = lambda s, r: None,
                  clock: Callable[[], float] = time.monotonic):
-        self.pool, self.kind, self.weights = pool, kind, weights
+        self.pool, self.weights = pool, weights  # the pool's name is its results' type and topic
         self._acct, self._publisher, self._faults, self.processor = acct, publisher, faults, processor
         self._on_timing, self._on_drop, self._clock = on_timing, on_drop, clock
         # everything below is guarded by the ledger lock (acct.lock)
@@ -138,10 +138,6 @@ class OutputStage:
             self._thread.join(timeout)
             return not self._thread.is_alive()
         return True
-
-    def idle(self) -> bool:
-        with self._acct.lock:
-            return not (self._inbox or self._reorder or self._current)
 
     # -- the stage's thread -------------------------------------------------------------------------
     def _run(self, gen: int) -> None:
@@ -254,7 +250,7 @@ class OutputStage:
                     self._acct.drop(fv.meta.stream, DropReason.LATE)  # the model ran long: never publish late
                     self._on_drop(fv.meta.stream, DropReason.LATE)
                 else:
-                    items.append((fv.meta, self.kind, self.weights, f))
+                    items.append((fv.meta, self.pool, self.weights, f))
             self._current, self.busy_since = None, None
             self._next += 1
             self._publisher.submit_results(self._acct, items)

@@ -51,19 +51,14 @@ class Pool:
         self.rings: dict[str, FrameRing] = {}
         self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done)
         self._next_batch = 0
-        self.batches = 0
         self.drop_log = DropLog(spec.name, self.acct.lock)
-        self.output = OutputStage(spec.name, kind=spec.name, weights=spec.workers[0].weights_tag, acct=self.acct,
+        self.output = OutputStage(spec.name, weights=spec.workers[0].weights_tag, acct=self.acct,
                                   publisher=publisher, faults=self.faults, processor=spec.processor,
                                   on_timing=self._timing, on_drop=self.drop_log.note, clock=clock)
         self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
                                  metrics=metrics, wake=wake, clock=clock)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)
         self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
-
-    @property
-    def weights_tag(self) -> str:
-        return self.output.weights
 
     # -- start / stop -------------------------------------------------------------------------
     def warmup(self) -> None:
@@ -139,10 +134,12 @@ class Pool:
     def _pull(self, now: float) -> None:
         """Ledger lock held. An offline stream takes no more than its credit: results it has in the
         pipeline and at the publisher are bounded, so a stalled subscriber stops only that stream."""
+        # a ring holds only its own stream's frames, so leaving out every ring is leaving out the stream's own
+        held = self.acct.held_by_stream(exclude_prefix="ring:") if any(not r.live for r in self.rings.values()) else None
         for stream, ring in self.rings.items():
             limit = None
             if not ring.live:
-                limit = self._credit - self.acct.held(stream, exclude=(f"ring:{stream}",))
+                limit = self._credit - held[stream]
                 if limit <= 0:
                     continue
             for fv in ring.take_ready(limit):
@@ -158,7 +155,6 @@ class Pool:
                 self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
         batch = Batch(self._next_batch, frames, t_dispatch=now)
         self._next_batch += 1
-        self.batches += 1
         runner.submit(batch)
 
     def _timing(self, batch_size: int, seconds: float) -> None:

@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -188,7 +188,7 @@ class Publisher:
         return False
 
     def backlog(self, stream: str) -> int:
-        """Offline results of a stream waiting to be sent (the core's credit reads it)."""
+        """Offline results of a stream waiting to be sent (the core's credit counts them through `held`)."""
         with self._cond:
             box = self._boxes.get(stream)
             return box.offline if box else 0

@@ -242,11 +242,6 @@ class FrameRing:
     def capacity(self) -> int:
         return len(self._state)
 
-    def drained(self) -> bool:
-        """Closed and nothing left to take (frames still copying in are not frames yet: see write)."""
-        with self._cond:
-            return self._closed and not self._ready_order
-
     def held(self) -> int:
         """Slots not free (READY, CLAIMED or being written)."""
         with self._cond:

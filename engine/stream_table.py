@@ -27,6 +27,7 @@ from .frame import DropReason
 from .pool import Pool
 from .publisher import Publisher
 from .ring import FrameRing
+from .threaded import settle
 
 log = logging.getLogger("vidar.engine")
 
@@ -63,7 +64,6 @@ class StreamTable:
         self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
         self._entries: dict[str, StreamEntry] = {}
         self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
-        self._zombies: list[SourceRunner] = []  # decoder threads of removed streams still finishing a read
         self.dead_reason: Optional[str] = None
 
     # -- reads (any thread) --------------------------------------------------------------------
@@ -79,24 +79,24 @@ class StreamTable:
         fut = fut or Future()
         old = self._entries.get(scfg.id)
         if old is not None and old.state != "removing":
-            fut.set_exception(ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first"))
+            settle(fut, exc=ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first"))
             return fut
         running = sum(e.state == "running" for e in self._entries.values())
         if running >= self.cfg.max_streams:
-            fut.set_exception(ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running; "
+            settle(fut, exc=ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running; "
                                            "remove one first or raise max_streams"))
             return fut
         pools = scfg.pools or list(self._pools)
         unknown = [p for p in pools if p not in self._pools]
         if unknown:
-            fut.set_exception(ControlError(f"add_stream: stream.pools: {unknown} not configured; "
+            settle(fut, exc=ControlError(f"add_stream: stream.pools: {unknown} not configured; "
                                            f"configured: {sorted(self._pools)}"))
             return fut
         if old is not None:  # the same id is still being removed: start once its eos is out
             self._deferred.append((scfg, fut))
             return fut
         self._start(scfg, pools)
-        fut.set_result(scfg.id)
+        settle(fut, scfg.id)
         return fut
 
     def _start(self, scfg: StreamConfig, pools: list[str]) -> None:
@@ -136,7 +136,7 @@ class StreamTable:
         if entry is None or entry.state == "removing":
             fut: Future = Future()
             live = sorted(s for s, e in self._entries.items() if e.state != "removing")
-            fut.set_exception(ControlError(f"remove_stream: unknown stream {stream!r}; streams: {live}"))
+            settle(fut, exc=ControlError(f"remove_stream: unknown stream {stream!r}; streams: {live}"))
             return fut
         entry.removal = Future()
         if entry.eos_queued:  # it had ended already: its eos is out (or on its way); just forget it
@@ -146,7 +146,6 @@ class StreamTable:
         entry.state, entry.reason = "removing", "removed"
         if entry.runner:
             entry.runner.stop()
-            self._zombies.append(entry.runner)
         for name in entry.pools:
             self._pools[name].detach(stream, DropReason.STREAM_REMOVED)
         log.info("stream %s removed", stream)
@@ -171,7 +170,6 @@ class StreamTable:
                 self._queue_eos(entry)
             if entry.state == "removing" and entry.eos_sent:
                 self._forget(entry)
-        self._zombies = [r for r in self._zombies if r.alive]
 
     def _done(self, entry: StreamEntry) -> bool:
         # A closed ring takes no more frames (its decoder thread may still be leaving a blocking read).
@@ -202,8 +200,8 @@ class StreamTable:
             return {"counts": {name: {"ingested": s.ingested, "published": s.published, "dropped": s.dropped,
                                       "failed": s.failed} for name, s in snaps.items()}}
         self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent, fields=counts)
-        if entry.removal is not None and not entry.removal.done():
-            entry.removal.set_result(None)
+        if entry.removal is not None:
+            settle(entry.removal)
 
     def _forget(self, entry: StreamEntry) -> None:
         del self._entries[entry.id]
@@ -212,7 +210,7 @@ class StreamTable:
         self._publisher.forget(entry.id)
         for scfg, fut in [d for d in self._deferred if d[0].id == entry.id]:
             self._deferred.remove((scfg, fut))
-            if not getattr(fut, "abandoned", False):  # the caller gave up waiting and was told it failed
+            if not fut.cancelled():  # the caller gave up waiting and was told it failed
                 self.add(scfg, fut)
 
     def all_done(self) -> bool:

@@ -82,6 +82,12 @@ NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https", "rtmp", "udp", "srt", "tcp"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def url_scheme(url: str) -> str:
+    """The URL's scheme, lower case; "file" for a plain path."""
+    m = _SCHEME.match(url)
+    return m.group(1).lower() if m else "file"
+
+
 def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
                 max_frame_pixels: int = 8192 * 8192) -> Source:
     """The Source for a URL: synthetic://..., a network URL (NETWORK_SCHEMES), or a file path (file:// accepted).
@@ -89,8 +95,7 @@ def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_t
     Raises SourceOpenError naming the stream for any other scheme: an unknown scheme opened as a
     file would have no timeout and no reconnect.
     """
-    m = _SCHEME.match(url)
-    scheme = m.group(1).lower() if m else "file"
+    scheme = url_scheme(url)
     if scheme == "synthetic":
         from .synthetic import SyntheticSource
         return SyntheticSource(stream_id, url)
@@ -99,6 +104,7 @@ def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_t
         return NetworkSource(stream_id, url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s,
                              max_frame_pixels=max_frame_pixels)
     if scheme == "file":
-        return FileSource(stream_id, url[len(m.group(0)):] if m else url, max_frame_pixels=max_frame_pixels)
+        path = url[len("file://"):] if _SCHEME.match(url) else url  # file://PATH or a plain path
+        return FileSource(stream_id, path, max_frame_pixels=max_frame_pixels)
     raise SourceOpenError(stream_id, f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}; allowed: a file "
                                      f"path (or file://), synthetic://, or a network URL: {', '.join(NETWORK_SCHEMES)}")

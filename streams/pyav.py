@@ -21,7 +21,7 @@ import av
 
 from engine.errors import SourceOpenError
 
-from .base import DecodedFrame, Source, redact_url
+from .base import DecodedFrame, Source, redact_url, url_scheme
 
 _NOT_VIDEO_FORMATS = {"tty"}
 
@@ -171,7 +171,7 @@ class NetworkSource(_PyAVSource):
 
     def _open_options(self) -> dict:
         options = {}
-        if self.url.lower().startswith(("rtsp://", "rtsps://")):
+        if url_scheme(self.url) in ("rtsp", "rtsps"):
             options["rtsp_transport"] = "tcp"
         if self.live:
             # FFmpeg keeps the packets it reads while probing the stream at open (measured: ~1 s of
@@ -183,5 +183,3 @@ class NetworkSource(_PyAVSource):
     def _thread_type(self) -> str:
         return "SLICE" if self.live else "AUTO"  # frame threads delay every live frame (module docstring)
 
-
-RtspSource = NetworkSource  # the name before other network schemes were accepted

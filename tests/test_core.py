@@ -72,6 +72,28 @@ def test_removal_reply_waits_for_the_eos_and_the_id_comes_back(endpoint):
         eng.stop()
 
 
+def test_an_add_that_timed_out_while_waiting_for_a_removal_never_starts(endpoint):
+    """add_stream of an id still being removed waits for that removal; if the caller's wait times out it
+    is told the add failed, so the add must never happen (the first v2 core started it anyway: the
+    timeout marked the outer future, not the table's deferred one)."""
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30"}], endpoint,
+                        budget={"latency_ms": 60_000}, models={"classify": {"max_batch": 1}})
+    eng = Engine(cfg, workers={"classify": NullWorker(latency_s=1.5)})  # a batch holds the removal ~1.5 s
+    eng.start()
+    try:
+        acct = eng.pools["classify"].acct
+        assert wait(lambda: acct.snapshot("s").held.get("workers", 0) > 0, 10)
+        removal = eng.core.call(eng.table.remove, "s")  # completes when the frame on the worker is done
+        reply = eng.control({"op": "add_stream", "stream": {"id": "s", "url": "synthetic://shapes?size=32x32"}},
+                            timeout=0.2)
+        assert reply["ok"] is False and "no answer" in reply["error"], reply
+        removal.result(10)
+        time.sleep(0.5)  # the core forgets s right after its eos; a deferred add would start it then
+        assert "s" not in eng.streams and acct.streams() == []
+    finally:
+        eng.stop()
+
+
 def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
     """A short offline stream ends while two live streams keep the only worker busy: its eos goes out
     right after its last result, not when the pool is next idle (the first engine waited for that)."""

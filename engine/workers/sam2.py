@@ -13,7 +13,7 @@ from ..control import need
 from ..errors import ControlError
 from .base import OutputProcessor, Worker, time_batches
 from .models import Preprocessor, resolve_device
-from .registry import PoolSpec, instances
+from .registry import FAMILY_OPS, PoolSpec, instances
 from .sam2_model import KEY, build_sam2_model, sam2_contract
 from .sam2_tracker import DecoderStage, Prompt, encode, render
 
@@ -58,7 +58,7 @@ class Sam2Processor(OutputProcessor):
     staged state; `commit` installs it (see DecoderStage).
     """
 
-    ops = ("add_object", "remove_object", "reset_stream")
+    ops = FAMILY_OPS["sam2"]
 
     def __init__(self, decoder: DecoderStage):
         self.stage = decoder

@@ -97,7 +97,7 @@ class Preprocessor:
     def __init__(self, contract: InputContract, mode: str, device: torch.device, dtype: torch.dtype = torch.float32):
         if mode not in MODES:
             raise ValueError(f"preprocess mode {mode!r}: use one of {MODES}")
-        self.contract, self.mode, self.device, self.dtype = contract, mode, device, dtype
+        self.mode, self.device, self.dtype = mode, device, dtype
         self.data_config = contract.data_config
         self.geometric = list(contract.geometric)
         if mode == "fast":
