@@ -31,6 +31,7 @@ test: $(VENV)/.test
 	VIDAR_REQUIRE_RTSP=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.test
+	bash scripts/install-bench-deps.sh
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_sam2.py
 

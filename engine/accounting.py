@@ -131,6 +131,18 @@ class Accounting:
         with self.lock:
             return list(self._streams)
 
+    def totals(self, streams) -> tuple[int, Counter]:
+        """Ingested and dropped-by-reason summed over these streams: terminal counters only, no holder
+        is asked (the degradation ladder reads this twice a second)."""
+        ingested, dropped = 0, Counter()
+        with self.lock:
+            for stream in streams:
+                c = self._streams.get(stream)
+                if c is not None:
+                    ingested += c.ingested
+                    dropped.update(c.dropped)
+        return ingested, dropped
+
     def snapshot(self, stream: str) -> Snapshot:
         with self.lock:
             c = self._streams.get(stream) or StreamCounts()

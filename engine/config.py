@@ -39,6 +39,10 @@ class StreamConfig(_Strict):
     """Files only: start again at the end instead of ending the stream (demo footage)."""
     pools: Optional[list[str]] = Field(None, min_length=1)
     """Model pools this stream feeds, e.g. [classify] or [sam2]; default: every configured pool."""
+    max_interval: int = Field(4, ge=1, le=100)
+    """Live streams: under sustained overload the degradation ladder (`qos`) may process only every
+    k-th frame of this stream, k <= max_interval. 1: never sample this stream (it still drops frames
+    that cannot meet their deadline)."""
 
     @field_validator("id")
     @classmethod
@@ -53,6 +57,28 @@ class BudgetConfig(_Strict):
     """End-to-end budget: a frame's deadline is its capture time + this. Late frames are dropped."""
     max_batch_wait_ms: float = Field(4.0, ge=0)
     """Longest a frame waits for a batch to fill when the worker is idle (Triton-style queue delay)."""
+
+
+class QosConfig(_Strict):
+    """The degradation ladder of each pool (engine/ladder.py). When a pool's live frames are dropped
+    (deadline, superseded, late, ring_full) above `degrade_drop_share` of those it was offered for
+    `degrade_after_s`, it steps one rung down; when the load at the rung above would fit
+    (`restore_load`) with no such drops for `restore_after_s`, it steps back up. Rungs, in order:
+    process every 2nd, 3rd, ... frame of each live stream (up to its `max_interval`; the others are
+    dropped as `interval`, regularly, instead of at random for their deadline), then the SAM 2 pool's
+    smaller input sizes (`models.sam2.degrade_sizes`). Every step is an `event.<stream>` (kind
+    `degraded` / `restored`) for each stream of the pool and the `vidar_qos_level` metric."""
+
+    ladder: bool = True
+    """Run the degradation ladder (false: overload only drops frames for their deadline)."""
+    degrade_drop_share: float = Field(0.2, gt=0, lt=1)
+    """Step down when more than this share of the pool's live frames is dropped for load..."""
+    degrade_after_s: float = Field(3.0, gt=0)
+    """...continuously for this long."""
+    restore_load: float = Field(0.7, gt=0, lt=1)
+    """Step up when the busy share the workers would have at the rung above stays below this..."""
+    restore_after_s: float = Field(5.0, gt=0)
+    """...for this long (with no load drops meanwhile)."""
 
 
 class ClassifyConfig(_Strict):
@@ -72,11 +98,13 @@ class ClassifyConfig(_Strict):
     """auto picks cuda when available."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on cuda, float32 on cpu."""
-    workers: int = Field(1, ge=1, le=16)
-    """Worker instances (threads) sharing one copy of the model. On a CPU, 2 instances x 1 thread
-    beat 1 x 2 threads when decoding shares the cores; on a GPU each instance has its own CUDA stream."""
+    workers: Optional[int] = Field(None, ge=1, le=16)
+    """Worker instances (threads) sharing one copy of the model. Default: chosen from the cores and
+    pools at start and logged (engine/tuning.py): on a CPU one-thread instances, one per core of the
+    pool's share (2 instances x 1 thread beat 1 x 2 threads when decoding shares the cores); on a GPU 1."""
     threads: Optional[int] = Field(None, ge=1)
-    """Intra-op threads per worker instance on the CPU (default: torch's)."""
+    """Intra-op threads per worker instance on the CPU. Default: chosen with `workers` (see there);
+    widened at warm-up if a frame on one thread would take more than half of budget.latency_ms."""
 
 
 class Sam2Config(_Strict):
@@ -237,6 +265,8 @@ class EngineConfig(_Strict):
     """Admission limit: streams running at once; add_stream beyond it is refused."""
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     """Latency budget and batching delay."""
+    qos: QosConfig = Field(default_factory=QosConfig)
+    """Quality of service under overload: the degradation ladder."""
     models: ModelsConfig = Field(default_factory=lambda: ModelsConfig(classify=ClassifyConfig()))
     """Model pools; only those named run (default, without this section: one classify pool)."""
     objects: list[ObjectConfig] = Field(default_factory=list)

@@ -26,7 +26,8 @@ from .pool import Pool
 from .publisher import Publisher
 from .stream_table import StreamTable
 from .workers.base import Worker
-from .workers.registry import build_pool
+from .tuning import usable_cores
+from .workers.registry import auto_plan, build_pool
 
 log = logging.getLogger("vidar.engine")
 
@@ -61,7 +62,8 @@ class Engine:
     def _start(self) -> None:
         cfg = self.cfg
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
-        self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters)
+        self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
+                               lambda: {name: p.qos.state() for name, p in self.pools.items()})
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
         if cfg.security.curve:
@@ -74,11 +76,18 @@ class Engine:
                                        ctx=self._ctx)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
-        for name, pcfg in cfg.models.configured().items():
+        configured = cfg.models.configured()
+        cores = usable_cores()
+        live = not cfg.streams or any(s.mode == "live" for s in cfg.streams)
+        for name, pcfg in configured.items():
+            plan = None
+            if name not in self._injected:  # injected workers (tests, benchmarks) are taken as they are
+                pcfg, plan = auto_plan(name, pcfg, cores=cores, pools=len(configured))
             spec = build_pool(name, pcfg, self._injected.get(name), self._factories.get(name))
+            spec.plan = plan
             pool = Pool(spec, publisher=self.publisher, faults=cfg.faults, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
-                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake)
-            pool.warmup()
+                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos)
+            pool.warmup(budget_s=cfg.budget.latency_ms / 1e3 if live else None)
             self.pools[name] = pool
         if cfg.publish.min_subscribers:
             log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 from .frame import FailReason
 from .ring import FrameView
+from .threads import set_intra_op_threads
 from .workers.base import Worker
 
 log = logging.getLogger("vidar.executor")
@@ -32,6 +33,7 @@ class Batch:
     id: int                   # dispatch order within the pool: the output stage publishes in this order
     frames: list[FrameView]
     t_dispatch: float = 0.0   # monotonic; dispatch -> output done is what the scheduler's latency model learns
+    level: int = 0            # the pool's quality level (degradation ladder) this batch runs at
 
 
 @dataclass(eq=False)
@@ -59,6 +61,7 @@ class WorkerThread:
         self.abandoned = False  # set by the watchdog (under the ledger lock)
         self.current: Optional[Batch] = None
         self.busy_since: Optional[float] = None
+        self._level = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
 
@@ -79,9 +82,7 @@ class WorkerThread:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        if self._threads:
-            import torch
-            torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
+        set_intra_op_threads(self._threads)
         while True:
             batch = self._inbox.get()
             if batch is None:
@@ -102,6 +103,7 @@ class WorkerThread:
             return
         try:
             self.worker = self._factory()
+            self._level = 0  # a fresh instance starts as configured; the next batch sets its level
         except Exception:  # keep the old instance: a pool with no worker would stall every stream
             log.exception("worker %d: rebuilding the worker failed; keeping the old instance", self.index)
 
@@ -109,6 +111,9 @@ class WorkerThread:
         res = BatchResult(batch)
         t0 = self._clock()
         try:
+            if batch.level != self._level:  # the ladder moved: e.g. SAM 2's encoder switches input size
+                self.worker.set_level(batch.level)
+                self._level = batch.level
             inputs = self.worker.prepare(batch.frames)
         except Exception as err:
             res.fail_reason, res.error = FailReason.PREPROCESS_ERROR, err

@@ -16,6 +16,8 @@ from enum import Enum
 class DropReason(str, Enum):
     RING_FULL = "ring_full"          # live: overwritten in the ring before the scheduler saw it
     DEADLINE = "deadline"            # scheduler: could not meet its deadline; no compute spent
+    SUPERSEDED = "superseded"        # live: a newer frame of its stream went to a worker first (freshest first)
+    INTERVAL = "interval"            # live: not sampled while the degradation ladder processes every k-th frame
     LATE = "late"                    # finished after its deadline; never published late
     PUBLISH_QUEUE = "publish_queue"  # live: publisher thread's queue full
     PUBLISH_HWM = "publish_hwm"      # live: a subscriber's ZeroMQ queue full (HWM)

@@ -56,6 +56,23 @@ class _AccountingCollector:
             yield fam
 
 
+class _QosCollector:
+    def __init__(self, qos: Callable[[], dict]):
+        self._qos = qos
+
+    def collect(self):
+        level = GaugeMetricFamily("vidar_qos_level", "Degradation ladder rung of a pool (0: as configured)",
+                                  labels=["pool"])
+        interval = GaugeMetricFamily("vidar_qos_interval", "A pool processes 1 live frame in this many", labels=["pool"])
+        steps = CounterMetricFamily("vidar_qos_steps", "Degradation ladder steps, by direction", labels=["pool", "direction"])
+        for pool, st in self._qos().items():
+            level.add_metric([pool], st["rung"])
+            interval.add_metric([pool], st["interval"])
+            for direction in ("degraded", "restored"):
+                steps.add_metric([pool, direction], st[direction])
+        yield from (level, interval, steps)
+
+
 class _HeapCollector:
     """glibc heap: in use and mmapped (grow with a leak), free inside the arenas (grows with
     fragmentation); with process_resident_memory_bytes this tells the two apart in production.
@@ -73,9 +90,11 @@ class _HeapCollector:
 
 
 class Metrics:
-    def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict]):
+    def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict],
+                 qos: Callable[[], dict] = dict):
         self.registry = CollectorRegistry()  # per engine: tests run several engines in one process
         self.registry.register(_AccountingCollector(accountings, stream_counters))
+        self.registry.register(_QosCollector(qos))
         self.registry.register(_HeapCollector())
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, open fds, CPU seconds
         self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",

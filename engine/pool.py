@@ -20,7 +20,7 @@ from collections import Counter, deque
 from typing import Callable, Optional
 
 from .accounting import Accounting
-from .config import FaultsConfig
+from .config import FaultsConfig, QosConfig
 from .drop_log import DropLog
 from .executor import Batch, WorkerThread
 from .faults import FaultPolicy
@@ -29,8 +29,10 @@ from .latency import LatencyModel
 from .metrics import Metrics
 from .output import OutputStage
 from .publisher import Publisher
+from .qos import PoolQos
 from .ring import FrameRing, FrameView
 from .scheduler import EdfScheduler
+from .threads import intra_op_threads
 from .worker_slots import WorkerSlots
 from .workers.registry import PoolSpec
 
@@ -40,7 +42,7 @@ log = logging.getLogger("vidar.pool")
 class Pool:
     def __init__(self, spec: PoolSpec, *, publisher: Publisher, faults: FaultsConfig, max_wait_s: float,
                  credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, qos: Optional[QosConfig] = None):
         if not spec.workers:
             raise ValueError(f"pool {spec.name}: a pool needs at least one worker")
         self.name, self.spec = spec.name, spec
@@ -59,14 +61,36 @@ class Pool:
                                  metrics=metrics, wake=wake, clock=clock)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)
         self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
+        self.qos = PoolQos(spec.name, qos or QosConfig(), self.acct, levels=spec.levels, level_costs=spec.level_costs,
+                           emit=lambda stream, kind, reason, fields: publisher.submit_event(
+                               stream, kind, reason, fields=lambda: dict(fields)))
 
     # -- start / stop -------------------------------------------------------------------------
-    def warmup(self) -> None:
-        sizes = sorted({1, self.scheduler.max_batch})
-        for b, seconds in self.slots.workers[0].warmup(sizes).items():
+    def warmup(self, budget_s: Optional[float] = None) -> None:
+        """Measure batch times (seeding the scheduler) under the workers' own thread count. With a
+        chosen (not configured) plan of several one-thread instances and live streams: if one frame
+        on one thread would take more than half of the latency budget, the cores go to one wider
+        instance instead (a deadline is per frame; throughput is not what such a stream needs)."""
+        times = self._warmup_times()
+        plan, workers = self.spec.plan, self.slots.workers
+        if (budget_s and plan is not None and plan.auto and len(workers) > 1 and self.spec.threads == 1
+                and times.get(1, 0.0) > budget_s / 2):
+            for w in workers[1:]:
+                w.close()
+            self.spec.workers, self.spec.threads = workers[:1], plan.cores
+            log.info("pool %s: a frame on 1 thread takes %.0f ms, over half the %.0f ms budget: 1 worker x %d "
+                     "threads instead", self.name, times[1] * 1e3, budget_s * 1e3, plan.cores)
+            times = self._warmup_times()
+        for b, seconds in times.items():
             self.scheduler.update(b, seconds)
-        log.info("pool %s: %d worker(s); warm-up %s", self.name, len(self.slots.workers),
+        why = f" ({plan.why})" if plan is not None else ""
+        log.info("pool %s: %d worker(s) x %s thread(s)%s; warm-up %s", self.name, len(self.slots.workers),
+                 self.spec.threads or "torch's", why,
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
+
+    def _warmup_times(self) -> dict[int, float]:
+        with intra_op_threads(self.spec.threads):
+            return self.slots.workers[0].warmup(sorted({1, self.scheduler.max_batch}))
 
     def start(self) -> None:
         self.slots.start()
@@ -85,6 +109,7 @@ class Pool:
         with self.acct.lock:
             self.rings[ring.stream] = ring
             self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}))
+        self.qos.attach(ring.stream, live=ring.live, max_interval=ring.max_interval)
         self.output.add_stream(ring.stream)
 
     def detach(self, stream: str, reason: DropReason) -> None:
@@ -101,6 +126,7 @@ class Pool:
                 self._drop(fv, reason)
             self.acct.remove_holder(f"ring:{stream}")
         self.scheduler.forget(stream)
+        self.qos.detach(stream)
 
     def stream_idle(self, stream: str) -> bool:
         """Nothing of this stream left to process here: its ring is closed and empty, and no frame of
@@ -117,6 +143,8 @@ class Pool:
             self.scheduler.update(*self._timings.popleft())
         self.slots.watchdog(now)
         self.output.check_hung(now, self._batch_timeout_s)
+        runners = self.slots.runners
+        self.qos.step(now, busy_workers=sum(not r.idle for r in runners), workers=len(runners))
         wake_at = None
         with self.acct.lock:
             self._pull(now)
@@ -124,6 +152,8 @@ class Pool:
                 plan = self.scheduler.schedule(now)
                 for fv in plan.dropped:
                     self._drop(fv, DropReason.DEADLINE)
+                for fv in plan.superseded:
+                    self._drop(fv, DropReason.SUPERSEDED)
                 if not plan.batch:
                     wake_at = plan.wake_at
                     break
@@ -143,6 +173,9 @@ class Pool:
                 if limit <= 0:
                     continue
             for fv in ring.take_ready(limit):
+                if ring.live and not self.qos.keep(stream):
+                    self._drop(fv, DropReason.INTERVAL)
+                    continue
                 if self._metrics:
                     self._metrics.observe(self.name, "decode", fv.meta.decode_s)
                     self._metrics.observe(self.name, "queue_wait", max(0.0, now - fv.meta.t_decoded))
@@ -153,7 +186,7 @@ class Pool:
         if self._metrics:
             for fv in frames:
                 self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
-        batch = Batch(self._next_batch, frames, t_dispatch=now)
+        batch = Batch(self._next_batch, frames, t_dispatch=now, level=self.qos.level)
         self._next_batch += 1
         runner.submit(batch)
 

@@ -40,7 +40,7 @@ from zmq.utils.monitor import recv_monitor_message
 from .accounting import Accounting
 from .config import PublishConfig
 from .frame import DropReason, FrameMeta
-from .schema import event_message, pack, result_message, topic
+from .schema import EVENT_KINDS, event_message, pack, result_message, topic
 
 log = logging.getLogger("vidar.publish")
 
@@ -152,6 +152,8 @@ class Publisher:
                      fields: Optional[Callable[[], dict]] = None) -> None:
         """Queue an event after the stream's queued results. Never blocks; bounded per stream. `fields`
         is called when the event is sent (an eos's final counts: by then every result before it ended)."""
+        if kind not in EVENT_KINDS:  # the caller's bug, raised here: never in the publisher's thread
+            raise ValueError(f"event kind {kind!r} not in {EVENT_KINDS}")
         with self._cond:
             if self._closing and not self._thread.is_alive():
                 self.stats.events_dropped[stream] += 1

@@ -72,9 +72,10 @@ class FrameRing:
 
     def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
                  min_slots: int, max_slots: int, max_frame_pixels: int,
-                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None):
+                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1):
         self.stream = stream
         self.live = live
+        self.max_interval = max_interval  # the degradation ladder samples at most 1 frame in this many
         self._acct = accounting
         self._memory_bytes = memory_bytes
         self._min_slots, self._max_slots = min_slots, max_slots

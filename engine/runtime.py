@@ -59,7 +59,9 @@ class StatusPrinter:
             filled = int(20 * min(done, total) / total)
             return (f"[{name}] {sid:<10} [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} frames  "
                     f"{fout:5.1f} fps  {lat}  failed {fails}")
-        return (f"[{name}] {sid:<10} {entry.display_state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps  {lat}  "
+        k = pool.qos.interval(sid)
+        qos = f"  1 in {k}" if k > 1 else ""  # the degradation ladder samples this stream
+        return (f"[{name}] {sid:<10} {entry.display_state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps{qos}  {lat}  "
                 f"in-flight {s.in_flight}  dropped: {drops}  failed: {fails}")
 
     def print(self) -> None:

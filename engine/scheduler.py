@@ -4,10 +4,17 @@ The pool calls `schedule(now)` whenever its worker is free and feeds measured ru
 back with `update`. Rules, in order:
 1. A frame that cannot finish by its deadline even in a batch of one is dropped now,
    before any compute is spent (reason `deadline`).
-2. Frames are ordered fairly: each stream's frames by deadline (offline frames have none, so
-   arrival order), and the streams in rounds, least recently served first. Plain EDF across
+2. Frames are ordered fairly: the streams in rounds, least recently served first. Plain EDF across
    streams phase-locks under overload: the same streams' frames always age out just before
    their turn, and those streams starve (measured: 2 of 4 streams got 4 % of their frames).
+   An offline stream (no deadlines) gives its frames in arrival order, every one of them.
+   A live stream gives only its NEWEST frame (freshest first): when a live stream's newest frame
+   goes into a batch, its older pending frames are dropped (reason `superseded`), so a stream
+   is never processed out of order (SAM 2's memory needs order) and, under overload, what is
+   published is the newest frame rather than the oldest one that can still make it (which put
+   published latency next to the budget). Without overload nothing is superseded: with the
+   pool keeping up, a stream has one frame pending when a worker frees (a second one arrives
+   only after `max_wait_s`-bounded batching ended or while every worker was busy).
 3. The batch size is the largest b <= max_batch whose predicted run time still meets the
    earliest deadline among the first b frames of that order.
    Exception, the probe: when every waiting frame would be dropped and nothing has run for
@@ -43,6 +50,7 @@ class _Entry:
 class Plan:
     batch: list = field(default_factory=list)     # items to run now, EDF order
     dropped: list = field(default_factory=list)   # items dropped for their deadline
+    superseded: list = field(default_factory=list)  # live items older than their stream's newest dispatched
     wake_at: Optional[float] = None               # ask again at this time if nothing new arrives
 
 
@@ -62,6 +70,7 @@ class EdfScheduler:
         self._last_dispatch: Optional[float] = None
         self.probes = 0
         self._served: dict = {}  # key -> dispatch tick when last served (round-robin across streams)
+        self._newest: dict = {}  # live key -> arrival order of its newest dispatched item
         self._tick = itertools.count()
 
     def add(self, item: Any, *, deadline: float, now: float, key: Any = None) -> None:
@@ -70,11 +79,15 @@ class EdfScheduler:
     def forget(self, key: Any) -> None:
         """A stream went away: drop its fairness state (keeps the table bounded)."""
         self._served.pop(key, None)
+        self._newest.pop(key, None)
 
     def _fair_order(self, entries: list[_Entry]) -> list[_Entry]:
         groups: dict[Any, list[_Entry]] = {}
         for e in sorted(entries):
             groups.setdefault(e.key, []).append(e)
+        for k, g in groups.items():
+            if math.isfinite(g[-1].deadline):  # live: its newest frame only (the rest wait to be superseded)
+                groups[k] = [max(g, key=lambda e: e.order)]
         keys = sorted(groups, key=lambda k: (self._served.get(k, -1), groups[k][0].deadline, groups[k][0].order))
         out = []
         for r in range(max(len(g) for g in groups.values())):
@@ -119,14 +132,16 @@ class EdfScheduler:
             plan.dropped.remove(probe)
             plan.dropped = [e.item for e in plan.dropped]
             plan.batch, self._pending = [probe.item], []
+            if math.isfinite(probe.deadline):
+                self._newest[probe.key] = probe.order
             self._last_dispatch, self.probes = now, self.probes + 1
             return plan
         plan.dropped = [e.item for e in plan.dropped]
         if not keep:
             self._pending = []
             return plan
-        keep = self._fair_order(keep)
         self._pending = keep
+        keep = self._fair_order(keep)
         n = min(self.max_batch, len(keep))
         b, tightest = 1, keep[0].deadline
         while b < n and now + self.latency.estimate(b + 1) <= min(tightest, keep[b].deadline):
@@ -140,10 +155,20 @@ class EdfScheduler:
         t_latest = earliest - self.latency.estimate(grow)  # last moment to wait for one more
         t_wait = oldest + self.max_wait_s
         if full or capped or now >= t_wait or (math.isfinite(t_latest) and now >= t_latest):
-            plan.batch = [e.item for e in keep[:b]]
-            for e in keep[:b]:
+            chosen = sorted(keep[:b], key=lambda e: e.order)  # arrival order: a stream's frames in sequence
+            plan.batch = [e.item for e in chosen]
+            for e in chosen:
                 self._served[e.key] = next(self._tick)
-            self._pending = keep[b:]
+                if math.isfinite(e.deadline):
+                    self._newest[e.key] = e.order
+            rest, taken = [], {id(e) for e in chosen}
+            for e in self._pending:
+                if id(e) in taken:
+                    continue
+                older = e.key in self._newest and e.order < self._newest[e.key]
+                (plan.superseded if older else rest).append(e)
+            plan.superseded = [e.item for e in plan.superseded]
+            self._pending = rest
             self._last_dispatch = now
             if self._pending:
                 plan.wake_at = now

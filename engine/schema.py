@@ -3,7 +3,8 @@
 Every message is a two-frame ZeroMQ multipart: [topic, msgpack map].
   results: topic `<type>.<stream>` (e.g. `classify.cam1`), map with v, type, stream, seq, pts,
            t_capture, t_publish, latency_ms, weights and the model's fields (classify: topk, embedding)
-  events:  topic `event.<stream>`, map with v, type="event", stream, kind, reason, t
+  events:  topic `event.<stream>`, map with v, type="event", stream, kind, reason, t; `degraded` and
+           `restored` (the degradation ladder) add pool, rung, interval and level
 The schema may grow (new keys); a change of meaning bumps `v`.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 import msgpack
 
 SCHEMA_VERSION = 2
-EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected")
+EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected", "degraded", "restored")
 
 
 def result_message(kind: str, *, stream: str, seq: int, pts: float, t_capture: float, weights: str,

@@ -107,7 +107,8 @@ class StreamTable:
             pool = self._pools[name]
             entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
                                           min_slots=r.min_slots, max_slots=r.max_slots,
-                                          max_frame_pixels=r.max_frame_pixels, notify=self._wake)
+                                          max_frame_pixels=r.max_frame_pixels, notify=self._wake,
+                                          max_interval=scfg.max_interval)
         self._entries[scfg.id] = entry
         for name in pools:
             self._pools[name].attach(entry.rings[name])

@@ -39,7 +39,7 @@ def test_config_typo_exits_2_and_names_the_key(tmp_path):
     path.write_text("streams:\n  - id: cam1\n    url: synthetic://shapes\n    moed: live\n")
     run = subprocess.run(VIDAR + ["run", str(path)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
-    assert "streams.0.moed: unknown key; allowed here: id, loop, mode, pools, url" in run.stderr
+    assert "streams.0.moed: unknown key; allowed here: id, loop, max_interval, mode, pools, url" in run.stderr
 
 
 def test_demo_runs_until_ctrl_c_and_prints_status():

@@ -19,7 +19,7 @@ def tree(**patch):
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, mode, pools, url"),
+    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, max_interval, mode, pools, url"),
     ({"models__classify__nam": "x"}, r"models\.classify\.nam: unknown key; allowed here: .*max_batch.*name"),
     ({"budgett": {}}, r"budgett: unknown key"),
     ({"streams__0__mode": "realtime"}, r"streams\.0\.mode: Input should be 'live' or 'offline'"),

@@ -309,8 +309,9 @@ def test_status_rates_are_per_pool_and_stream():
     fast, slow = Accounting("classify"), Accounting("sam2")
     entry = SimpleNamespace(id="cam", state="running", pools=["classify", "sam2"], runner=None,
                             display_state="running", cfg=SimpleNamespace(mode="live"))
-    eng = SimpleNamespace(pools={"classify": SimpleNamespace(acct=fast), "sam2": SimpleNamespace(acct=slow)},
-                          streams={"cam": entry})
+    every = SimpleNamespace(interval=lambda stream: 1)  # the ladder at rung 0
+    eng = SimpleNamespace(pools={"classify": SimpleNamespace(acct=fast, qos=every),
+                                 "sam2": SimpleNamespace(acct=slow, qos=every)}, streams={"cam": entry})
     printer = StatusPrinter(eng)
     time.sleep(0.5)
     for _ in range(60):

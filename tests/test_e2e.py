@@ -120,7 +120,7 @@ def test_live_slow_worker_never_publishes_late_and_accounts_every_frame(endpoint
     assert balanced_always
     assert s.ingested == 90 == s.published + sum(s.dropped.values()) + sum(s.failed.values()) + s.in_flight
     assert s.in_flight == 0 and s.published == len(results)
-    assert sum(s.dropped.values()) > 0 and set(s.dropped) <= {"deadline", "late", "ring_full"}
+    assert sum(s.dropped.values()) > 0 and set(s.dropped) <= {"deadline", "superseded", "interval", "late", "ring_full"}
 
 
 def test_bad_streams_do_not_stop_good_ones(tmp_path, endpoint):

@@ -22,9 +22,10 @@ def make(max_batch=4, max_wait=0.004, times=None):
     return EdfScheduler(max_batch=max_batch, latency=lat, max_wait_s=max_wait)
 
 
-def add(s, now, *items):
+def add(s, now, *items, key=None):
+    """Each item is its own stream unless a key is given (a live stream gives only its newest frame)."""
     for it in items:
-        s.add(it, deadline=it.deadline, now=now)
+        s.add(it, deadline=it.deadline, now=now, key=key or it.name)
 
 
 def names(items):
@@ -86,7 +87,8 @@ def test_dispatches_early_when_waiting_longer_would_miss_the_deadline():
 
 def test_offline_frames_have_no_deadline_and_go_after_live_ones():
     s = make(max_batch=2)
-    add(s, 0.0, Item("off1", math.inf), Item("off2", math.inf), Item("live", 1.0))
+    add(s, 0.0, Item("off1", math.inf), Item("off2", math.inf), key="offline")
+    add(s, 0.0, Item("live", 1.0))
     plan = s.schedule(10.0)  # offline frames are never dropped, however late it is
     assert plan.dropped == [Item("live", 1.0)]
     assert names(plan.batch) == ["off1", "off2"]
@@ -171,3 +173,84 @@ def test_fair_across_streams_under_overload():
         t = round(t + 0.001, 6)
     counts = list(served.values())
     assert min(counts) > 0 and max(counts) <= 1.2 * min(counts), served
+
+
+# -- freshest first (live streams) -----------------------------------------------------------------
+
+def test_a_live_stream_gives_its_newest_frame_and_older_ones_are_superseded():
+    s = make(max_batch=4)
+    add(s, 0.0, Item("f0", 1.0), Item("f1", 1.03), Item("f2", 1.06), key="cam")
+    add(s, 0.0, Item("other", 1.0))
+    assert s.schedule(0.0).batch == []  # waits up to max_wait for partners; nothing superseded meanwhile
+    plan = s.schedule(0.005)
+    assert sorted(names(plan.batch)) == ["f2", "other"]
+    assert names(plan.superseded) == ["f0", "f1"] and plan.dropped == []
+    assert s.pending() == 0
+
+
+def test_offline_streams_give_every_frame_in_order():
+    s = make(max_batch=4)
+    add(s, 0.0, *(Item(f"o{i}", math.inf) for i in range(6)), key="file")
+    assert names(s.schedule(0.0).batch) == ["o0", "o1", "o2", "o3"]
+    assert names(s.schedule(0.0).batch) == []  # o4, o5 wait for partners (max_wait)
+    plan = s.schedule(0.01)
+    assert names(plan.batch) == ["o4", "o5"] and plan.superseded == []
+
+
+def _simulate(*, period, service, budget, workers=1, max_batch=1, streams=("a",), seconds=20.0):
+    """Live streams arriving every `period` s; each batch takes `service` s per frame. Returns
+    (dispatch order per stream, latencies of processed frames, counts per outcome)."""
+    s = make(max_batch=max_batch, max_wait=0.0, times={1: service, 2: 2 * service, 4: 4 * service})
+    busy = [0.0] * workers
+    done, lat, outcome = {k: [] for k in streams}, [], {"batch": 0, "dropped": 0, "superseded": 0, "offered": 0}
+    t, n, step = 0.0, 0, 0.001
+    next_frame = {k: i * period / len(streams) for i, k in enumerate(streams)}
+    while t < seconds:
+        for k in streams:
+            if t >= next_frame[k] - 1e-9:
+                s.add(SItem(k, n, t + budget), deadline=t + budget, now=t, key=k)
+                n, next_frame[k], outcome["offered"] = n + 1, next_frame[k] + period, outcome["offered"] + 1
+        for w in range(workers):
+            if t >= busy[w]:
+                plan = s.schedule(t)
+                outcome["dropped"] += len(plan.dropped)
+                outcome["superseded"] += len(plan.superseded)
+                if plan.batch:
+                    outcome["batch"] += len(plan.batch)
+                    busy[w] = t + service * len(plan.batch)
+                    for it in plan.batch:
+                        done[it.stream].append(it.n)
+                        lat.append(busy[w] - (it.deadline - budget))
+        t = round(t + step, 6)
+    return done, sorted(lat), outcome
+
+
+def test_without_overload_nothing_is_superseded():
+    done, lat, out = _simulate(period=1 / 30, service=0.020, budget=0.2, streams=("a", "b"), workers=2, max_batch=2)
+    assert out["superseded"] == 0 and out["dropped"] == 0
+    assert out["batch"] >= out["offered"] - 2  # everything but the last frames in flight
+
+
+def test_twice_overloaded_serves_fresh_frames_in_order_and_fairly():
+    """2x overload (a frame every 33 ms, 67 ms to run one): the published latency stays far below the
+    budget (oldest-first would sit next to it), each stream's frames run in increasing order, and the
+    streams are served alike."""
+    budget = 0.4
+    done, lat, out = _simulate(period=1 / 15, service=0.066, budget=budget, streams=("a", "b"), workers=1,
+                               max_batch=1)
+    p50 = lat[len(lat) // 2]
+    assert p50 <= 0.5 * budget, p50
+    assert max(lat) <= budget
+    assert out["superseded"] > 0.3 * out["offered"]
+    for k, seqs in done.items():
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs), k
+    counts = [len(v) for v in done.values()]
+    assert max(counts) <= 1.1 * min(counts), counts
+
+
+def test_never_older_than_a_frame_already_dispatched_with_several_workers():
+    done, _, out = _simulate(period=1 / 60, service=0.030, budget=0.3, streams=("a", "b", "c"), workers=3, max_batch=2)
+    assert out["superseded"] > 0  # it was overloaded
+    for k, seqs in done.items():
+        assert all(x < y for x, y in zip(seqs, seqs[1:])), k
+    assert out["batch"] + out["dropped"] + out["superseded"] <= out["offered"]

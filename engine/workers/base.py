@@ -50,6 +50,10 @@ class Worker(ABC):
         """Run each batch size once or more; return measured seconds per size (seeds the scheduler)."""
         return {}
 
+    def set_level(self, level: int) -> None:
+        """Run the next batches at this quality level (0: as configured; see the pool's `levels`).
+        Called on the worker's thread between batches when the degradation ladder moves."""
+
     def close(self) -> None:
         """Release model memory."""
 

@@ -21,6 +21,7 @@ from ..errors import ConfigError
 from .base import Worker, time_batches
 from .models import (InputContract, Preprocessor, fetch_pretrained, load_strict, read_state_dict, resolve_device,
                      resolve_dtype)
+from ..tuning import ThreadPlan, plan_classify
 from .registry import PoolSpec, instances
 
 log = logging.getLogger("vidar.classify")
@@ -87,8 +88,6 @@ class ClassifierWorker(Worker):
         self.cfg = cfg
         self.device = resolve_device(cfg.device, f"{KEY}.device")
         self.dtype = resolve_dtype(cfg.dtype, self.device, f"{KEY}.dtype")
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         if model is None:
             model, weights_tag = build_classifier(cfg.name, cfg.weights)
         self.weights_tag = weights_tag or "random"
@@ -150,6 +149,13 @@ def build_pool(cfg: ClassifyConfig, *, workers: list[Worker] | None = None,
                factory: Callable[[], Worker] | None = None) -> PoolSpec:
     """`cfg.workers` instances sharing one copy of the model; a failed one is rebuilt from the same model."""
     if workers is None:
-        workers, more = instances(lambda **kw: ClassifierWorker(cfg, **kw), cfg.workers)
+        workers, more = instances(lambda **kw: ClassifierWorker(cfg, **kw), cfg.workers or 1)
         factory = factory or more
     return PoolSpec("classify", workers, factory, cfg.max_batch, cfg.threads)
+
+
+def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int) -> tuple[ClassifyConfig, ThreadPlan]:
+    """Fill in `workers`/`threads` the config left unset (engine/tuning.py says why)."""
+    cuda = resolve_device(cfg.device, f"{KEY}.device").type == "cuda"
+    plan = plan_classify(cores=cores, pools=pools, cuda=cuda, workers=cfg.workers, threads=cfg.threads)
+    return cfg.model_copy(update={"workers": plan.workers, "threads": plan.threads}), plan

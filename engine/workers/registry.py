@@ -5,10 +5,11 @@ factory=None) -> PoolSpec`; workers may be injected (tests, benchmarks)."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..errors import ConfigError
+from ..tuning import ThreadPlan
 from .base import OutputProcessor, Worker
 
 # pool name (the `models.<name>` key, the message type and topic prefix) -> module with build_pool
@@ -25,6 +26,10 @@ class PoolSpec:
     max_batch: int
     threads: Optional[int] = None             # intra-op threads per worker on the CPU
     processor: Optional[OutputProcessor] = None  # run on the pool's output thread
+    output_threads: Optional[int] = None      # intra-op threads of the output thread (SAM 2's decoder stage)
+    levels: list[str] = field(default_factory=list)  # the family's quality levels, best first (ladder rungs)
+    level_costs: list[float] = field(default_factory=list)  # relative cost of each level (level 0: 1.0)
+    plan: Optional[ThreadPlan] = None         # chosen by auto_plan (None: injected workers or no plan)
 
 
 def instances(make: Callable[..., Worker], n: int) -> tuple[list[Worker], Callable[[], Worker]]:
@@ -43,6 +48,15 @@ def build_pool(name: str, cfg, workers: Optional[list[Worker]] = None,
         raise ConfigError(f"models.{name}: no such model family; known: {sorted(FAMILIES)}")
     module = importlib.import_module(FAMILIES[name])
     return module.build_pool(cfg, workers=workers, factory=factory)
+
+
+def auto_plan(name: str, cfg, *, cores: int, pools: int) -> tuple[object, Optional[ThreadPlan]]:
+    """The family's defaults for what `cfg` leaves unset (instances, threads), from the machine; a
+    family without `auto_plan` keeps its config as it is."""
+    module = importlib.import_module(FAMILIES[name])
+    if not hasattr(module, "auto_plan"):
+        return cfg, None
+    return module.auto_plan(cfg, cores=cores, pools=pools)
 
 
 def pool_for_op(op: str) -> Optional[str]:
