@@ -27,6 +27,18 @@ from .workers.base import Worker
 log = logging.getLogger("vidar.executor")
 
 
+def set_intra_op_threads(n: int) -> None:
+    """torch's intra-op thread count for the calling thread (OpenMP's count is per thread).
+
+    torch's first parallel op on a thread (or get_num_threads) re-applies the count last set by ANY
+    thread, so a plain set_num_threads here is undone by a later one on another thread (measured:
+    a thread that set 1, then another set 2, ran its next op with 2). Initialising first makes it stick.
+    """
+    import torch
+    torch.get_num_threads()
+    torch.set_num_threads(n)
+
+
 @dataclass(eq=False)
 class Batch:
     id: int                   # dispatch order within the pool: the output stage publishes in this order
@@ -80,8 +92,7 @@ class WorkerThread:
 
     def _run(self) -> None:
         if self._threads:
-            import torch
-            torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
+            set_intra_op_threads(self._threads)
         while True:
             batch = self._inbox.get()
             if batch is None:

@@ -50,6 +50,10 @@ class Worker(ABC):
         """Run each batch size once or more; return measured seconds per size (seeds the scheduler)."""
         return {}
 
+    def set_level(self, level: int) -> None:
+        """Degradation level for the next batch (called on the worker thread before `prepare`):
+        0 is the configured model, i the pool's i-th step down (PoolSpec.levels). Default: no levels."""
+
     def close(self) -> None:
         """Release model memory."""
 
@@ -61,6 +65,8 @@ class OutputProcessor(ABC):
 
     #: control ops this processor serves (e.g. add_object); the engine routes them here
     ops: tuple[str, ...] = ()
+    #: intra-op threads of the output thread on the CPU (None: torch's default)
+    threads: int | None = None
 
     def add_stream(self, stream: str) -> None:
         """A stream starts feeding the pool."""

@@ -5,7 +5,7 @@ factory=None) -> PoolSpec`; workers may be injected (tests, benchmarks)."""
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..errors import ConfigError
@@ -25,6 +25,7 @@ class PoolSpec:
     max_batch: int
     threads: Optional[int] = None             # intra-op threads per worker on the CPU
     processor: Optional[OutputProcessor] = None  # run on the pool's output thread
+    levels: list[str] = field(default_factory=list)  # degradation levels (Worker.set_level), level 0 first; [] none
 
 
 def instances(make: Callable[..., Worker], n: int) -> tuple[list[Worker], Callable[[], Worker]]:
