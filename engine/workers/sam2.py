@@ -188,9 +188,10 @@ def sam2_thread_defaults(cores: int, device: torch.device | str) -> dict:
     ops per frame, and it scales poorly even on idle cores (2 objects: ~155 ms at 2 threads, ~225 ms
     at 1), while the encoder's large GEMMs scale well (~150 ms at 2 threads, ~290 ms at 1). So: the
     decoder stage gets one thread, one encoder instance gets all the cores (it uses the decoder's core
-    whenever the decoder waits). Whole-engine runs, 1 stream x 2 objects, encoder/decoder threads:
-    (2, 1) was the fastest of (2, 2), (1, 1), (2, 1), (1, 2) and 2 encoders x 1 thread + 1 in 3 of 4
-    runs (the machine was shared; see benchmarks/bench_sam2.py `levers` for the current numbers).
+    whenever the decoder waits). Whole-engine runs, 1 stream x 2 objects, (encoder, decoder) threads:
+    with another process holding ~1 core, (2, 1) took 599 ms/frame against 671-721 for (2, 2); on idle
+    cores the two were within noise (bench_sam2.py `levers`: (2, 1) / (2, 2) = 1.02, 1.05). A real
+    pipeline shares the cores with decoding and publishing, so the decoder stage gets one thread.
     More cores are untested here: the decoder stage keeps one thread per 8 cores.
     On a GPU the kernels run on the device: today's behaviour (one encoder, torch's default threads)
     is kept; this choice is untested on a GPU.
