@@ -124,9 +124,29 @@ class Sam2Config(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available."""
     threads: Optional[int] = Field(None, ge=1)
-    """Intra-op threads per encoder instance on the CPU."""
+    """Intra-op threads per encoder instance on the CPU. Unset (with `encoders` and `decoder_threads`):
+    chosen for the machine's cores by engine.workers.sam2.sam2_thread_defaults (logged at start)."""
+    decoder_threads: Optional[int] = Field(None, ge=1)
+    """Intra-op threads of the decoder stage (the pool's output thread: memory attention, mask decoder,
+    memory encoder) on the CPU; it runs beside the encoders, so the two share the cores. Unset: see `threads`."""
     max_objects: int = Field(32, ge=1, le=4096)
     """Admission limit: tracked objects (with pending prompts) across all streams; more are refused."""
+    degrade_sizes: list[int] = []
+    """Smaller encoder input sizes the engine may step down to under overload, e.g. [512, 256] for
+    image_size 1024: each a multiple of 32 (and >= 128), strictly smaller than image_size, descending.
+    Weights are shared; objects are carried over at the new size from their last mask. Empty: never."""
+
+    @field_validator("degrade_sizes")
+    @classmethod
+    def _degrade_sizes(cls, sizes: list[int], info) -> list[int]:
+        for s in sizes:
+            if s % 32 or s < 128:
+                raise ValueError(f"{s} must be a multiple of 32 and >= 128")
+        top = info.data.get("image_size")
+        chain = [top, *sizes] if top is not None else sizes
+        if any(a <= b for a, b in zip(chain, chain[1:])):
+            raise ValueError(f"{sizes} must be strictly descending and each smaller than image_size={top}")
+        return sizes
 
 
 class ModelsConfig(_Strict):

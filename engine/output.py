@@ -25,6 +25,7 @@ from typing import Callable, Optional
 
 from .accounting import Accounting
 from .executor import BatchResult
+from .threads import set_intra_op_threads
 from .faults import FaultPolicy
 from .frame import DropReason, FailReason
 from .publisher import Publisher
@@ -141,6 +142,8 @@ class OutputStage:
 
     # -- the stage's thread -------------------------------------------------------------------------
     def _run(self, gen: int) -> None:
+        if self.processor is not None and self.processor.threads:
+            set_intra_op_threads(self.processor.threads)
         while True:
             self._run_messages(gen)
             with self._acct.lock:

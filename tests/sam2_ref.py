@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 import warnings
 from pathlib import Path
 
@@ -28,9 +29,11 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def reference_masks(ckpt: Path, frames: list[np.ndarray], prompts: dict, workdir: Path, start: int = 0) -> dict:
+def reference_masks(ckpt: Path, frames: list[np.ndarray], prompts: dict, workdir: Path, start: int = 0,
+                    timing: dict | None = None) -> dict:
     """Meta's SAM2VideoPredictor: init_state + add_new_points_or_box (at frame `start`) + propagate_in_video.
-    prompts: {obj_id: {"box": [...]} or {"points": [[x, y, label], ...]}}. Returns {frame: {obj_id: bool mask}}."""
+    prompts: {obj_id: {"box": [...]} or {"points": [[x, y, label], ...]}}. Returns {frame: {obj_id: bool mask}}.
+    timing: if given, gets "propagate_s", the seconds of propagate_in_video alone (frames preloaded)."""
     from sam2.build_sam import build_sam2_video_predictor
     pred = build_sam2_video_predictor(config_path(CONFIG), ckpt_path=str(ckpt), device="cpu",
                                       hydra_overrides_extra=size_overrides(SIZE))
@@ -51,8 +54,11 @@ def reference_masks(ckpt: Path, frames: list[np.ndarray], prompts: dict, workdir
                 pts = p["points"]
                 pred.add_new_points_or_box(state, frame_idx=start, obj_id=obj_id, points=[q[:2] for q in pts],
                                            labels=[q[2] for q in pts])
+        t0 = time.perf_counter()
         for fi, ids, masks in pred.propagate_in_video(state):
             out[fi] = {oid: (masks[k, 0] > 0).numpy() for k, oid in enumerate(ids)}
+        if timing is not None:
+            timing["propagate_s"] = time.perf_counter() - t0
     return out
 
 

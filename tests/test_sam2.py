@@ -366,3 +366,223 @@ def wait_until(pred, timeout):
     while not pred() and time.monotonic() < t_end:
         time.sleep(0.01)
     return pred()
+
+
+# -- threads, input-size levels, idle streams ------------------------------------------------------
+
+@pytest.mark.timeout(60)
+def test_a_threads_intra_op_count_sticks_when_another_thread_sets_another():
+    """torch re-applies the count last set by ANY thread on a thread's first op: the output thread's
+    decoder_threads must survive an encoder thread setting its own count afterwards."""
+    import threading
+    from engine.threads import set_intra_op_threads
+    seen, first_set, other_set = {}, threading.Event(), threading.Event()
+
+    def decoder_thread():
+        set_intra_op_threads(1)
+        first_set.set()
+        other_set.wait(10)
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        seen["decoder"] = torch.get_num_threads()
+
+    def encoder_thread():
+        first_set.wait(10)
+        set_intra_op_threads(2)
+        seen["encoder"] = torch.get_num_threads()
+        other_set.set()
+    threads = [threading.Thread(target=decoder_thread), threading.Thread(target=encoder_thread)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"decoder": 1, "encoder": 2}
+
+
+@pytest.mark.timeout(120)
+def test_thread_defaults_fill_only_unset_keys(ckpt):
+    from engine.config import Sam2Config
+    from engine.workers.sam2 import build_pool, sam2_thread_defaults
+    assert sam2_thread_defaults(8, "cuda") == {"encoders": 1, "threads": None, "decoder_threads": None}
+    for cores in (1, 2, 4, 16):
+        d = sam2_thread_defaults(cores, torch.device("cpu"))
+        assert d["encoders"] >= 1 and d["threads"] >= 1 and d["decoder_threads"] >= 1
+        assert d["encoders"] * d["threads"] <= max(cores, 1) and d["decoder_threads"] <= max(cores, 1)
+    base = {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE, "device": "cpu"}
+    import os
+    chosen = sam2_thread_defaults(os.cpu_count(), torch.device("cpu"))
+    spec = build_pool(Sam2Config(**base))
+    assert (len(spec.workers), spec.threads, spec.processor.threads) == (chosen["encoders"], chosen["threads"],
+                                                                         chosen["decoder_threads"])
+    spec = build_pool(Sam2Config(**base, threads=3, decoder_threads=5))  # what the user set is kept
+    assert (len(spec.workers), spec.threads, spec.processor.threads) == (chosen["encoders"], 3, 5)
+    spec = build_pool(Sam2Config(**base, encoders=2))
+    assert len(spec.workers) == 2 and spec.workers[1].model is spec.workers[0].model
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sizes, message", [
+    ([128], None),
+    ([192, 128], None),
+    ([256], r"\[256\] must be strictly descending and each smaller than image_size=256"),
+    ([128, 192], r"\[128, 192\] must be strictly descending"),
+    ([130], r"130 must be a multiple of 32 and >= 128"),
+    ([96], r"96 must be a multiple of 32 and >= 128"),
+])
+def test_degrade_sizes_validated(sizes, message):
+    from engine.config import build_config
+    tree = {"streams": [{"id": "a", "url": "x.mp4"}], "control": {"enabled": False},
+            "models": {"sam2": {"image_size": SIZE, "degrade_sizes": sizes}}}
+    if message is None:
+        assert build_config(tree, cuda_available=True)[0].models.sam2.degrade_sizes == sizes
+    else:
+        with pytest.raises(ConfigError, match=r"models\.sam2\.degrade_sizes: " + message):
+            build_config(tree, cuda_available=True)
+
+
+class _View:
+    """The part of a ring FrameView the SAM 2 encoder worker reads."""
+
+    def __init__(self, stream, pixels):
+        from types import SimpleNamespace
+        self.meta = SimpleNamespace(stream=stream, height=pixels.shape[0], width=pixels.shape[1])
+        self.pixels = torch.from_numpy(pixels)
+
+
+@pytest.fixture(scope="module")
+def pool128(ckpt):
+    from engine.config import Sam2Config
+    from engine.workers.sam2 import build_pool
+    return build_pool(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu",
+                                 degrade_sizes=[128], threads=2, decoder_threads=2))
+
+
+@pytest.mark.timeout(120)
+def test_levels_share_the_weights(pool128):
+    w = pool128.workers[0]
+    assert pool128.levels == ["image_size=256", "image_size=128"]
+    small = w.models[128]
+    assert small.image_size == 128 and w.model.image_size == 256
+    params = list(zip(w.model.parameters(), small.parameters()))
+    assert params and all(p.data_ptr() == q.data_ptr() for p, q in params)  # one copy of the weights
+    assert pool128.processor.stage.models[128] is small  # the decoder stage steps with the same models
+    frame = decode_all_synthetic()
+    for level, size in ((1, 128), (0, 256)):
+        w.set_level(level)
+        out = w.infer(w.prepare([_View("a", frame)]))
+        assert out[0]["_features"].image_size == size and out[0]["_features"].feat_sizes[-1] == (size // 16,) * 2
+    with pytest.raises(ValueError, match=r"level 2 does not exist; levels 0..1 are image_size \[256, 128\]"):
+        w.set_level(2)
+
+
+@pytest.mark.timeout(240)
+def test_stream_switched_to_a_smaller_size_keeps_its_objects(pool128, clips):
+    """256 px for k frames, then 128 px: each object restarts at 128 from its last mask (same id, no gap),
+    the banks are rebuilt at 128, and the masks go on overlapping the pre-switch ones."""
+    w, stage = pool128.workers[0], pool128.processor.stage
+    frames = decode_all(clips[0])
+    stage.add_stream("sw")
+    for obj_id, p in PROMPTS.items():
+        stage.add_object("sw", prompt(obj_id, p))
+    k, masks = 8, []
+    try:
+        for i, f in enumerate(frames[:k + 6]):
+            w.set_level(0 if i < k else 1)
+            feats = w.infer(w.prepare([_View("sw", f)]))[0]["_features"]
+            objs = stage.step([("sw", feats, f.shape[:2])])[0]
+            assert [o["id"] for o in objs] == [1, 2] and all("logits" in o for o in objs), (i, objs)
+            masks.append({o["id"]: mask_utils.decode(render(o, *f.shape[:2])["mask"]).astype(bool) for o in objs})
+            if i == k - 1:
+                assert {b.image_size for b in stage._streams["sw"].objects.values()} == {256}
+        st = stage._streams["sw"]
+        assert st.frame_idx == k + 6 and not stage.events and not stage.object_failures
+        for bank in st.objects.values():
+            assert bank.image_size == 128 and min(bank.cond) == k  # restarted at the switch
+            assert bank.cond[k].maskmem.shape[-2:] == (8, 8) and bank.maskmems[-1][1].maskmem.shape[-2:] == (8, 8)
+        for obj_id in PROMPTS:
+            before = masks[k - 1][obj_id]
+            assert before.mean() > 0.005
+            assert iou(masks[k][obj_id], before) >= 0.8, "the switch frame carries the last mask over"
+            assert all(m[obj_id].mean() > 0.005 for m in masks[k:])
+            assert min(iou(m[obj_id], before) for m in masks[k:]) >= 0.3, [iou(m[obj_id], before) for m in masks[k:]]
+    finally:
+        stage.remove_stream("sw")
+        w.set_level(0)
+
+
+@pytest.mark.timeout(120)
+def test_idle_stream_frames_are_not_encoded_and_a_prompt_starts_on_the_next_encoded_frame(pool128, monkeypatch):
+    w, stage = pool128.workers[0], pool128.processor.stage
+    encoded = []
+    real = w.models[256].forward_image
+    monkeypatch.setattr(w.models[256], "forward_image", lambda x: encoded.append(x.shape[0]) or real(x))
+    frame = decode_all_synthetic()
+    stage.add_stream("busy")
+    stage.add_stream("quiet")
+    stage.add_object("busy", Prompt(1, box=[10, 10, 120, 100]))
+
+    def step():
+        feats = [o["_features"] for o in w.infer(w.prepare([_View("busy", frame), _View("quiet", frame)]))]
+        return feats, stage.step([("busy", feats[0], (240, 320)), ("quiet", feats[1], (240, 320))])
+    try:
+        feats, out = step()  # the quiet stream's first frame is encoded: it has not been seen idle yet
+        assert feats[1] is not None and out[1] == [] and encoded == [2]
+        for _ in range(3):
+            feats, out = step()
+            assert feats[1] is None and out[1] == [] and [o["id"] for o in out[0]] == [1]
+        assert encoded == [2, 1, 1, 1] and stage.list()["quiet"]["frame"] == 1 and stage.list()["busy"]["frame"] == 4
+        stage.add_object("quiet", Prompt(7, box=[10, 10, 120, 100]))
+        feats, out = step()
+        assert feats[1] is not None and [o["id"] for o in out[1]] == [7] and "logits" in out[1][0]
+        bank = stage._streams["quiet"].objects[7]
+        assert list(bank.cond) == [1] and stage.list()["quiet"]["frame"] == 2  # frame index: encoded frames only
+        # a frame skipped while an object got tracked (several encoders racing) says so, and changes nothing
+        before = (stage.list()["quiet"]["frame"], bank.entries())
+        out = stage.step([("quiet", None, (240, 320))])
+        assert out == [[{"id": 7, "error": "frame not encoded: the stream had nothing to track when it was dispatched"}]]
+        assert (stage.list()["quiet"]["frame"], stage._streams["quiet"].objects[7].entries()) == before
+        assert not stage.object_failures
+    finally:
+        stage.remove_stream("busy")
+        stage.remove_stream("quiet")
+
+
+@pytest.mark.timeout(240)
+def test_overloaded_sam2_pool_steps_down_to_a_smaller_input_size(model, ckpt, endpoint):
+    """A live stream far faster than SAM 2 with `max_interval: 1` (no interval rung): the ladder's first
+    rung is the smaller input size. The pool steps down, says so on the stream's events, and the
+    objects go on being tracked at 128 px (the switch travels with the batches to the encoder and the
+    decoder stage). The budget is 6 steps of SAM 2 as measured here."""
+    from engine.client import Subscriber
+    budget_ms = 6 * sam2_step_seconds(model) * 1e3
+    cfg = engine_config([{"id": "live", "url": "synthetic://shapes?size=320x240&fps=30", "max_interval": 1}],
+                        endpoint, budget={"latency_ms": budget_ms}, qos={"degrade_after_s": 1.0},
+                        models={"classify": None, "sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE,
+                                                           "degrade_sizes": [128], "max_batch": 1}},
+                        objects=[{"stream": "live", "id": 1, "box": [10, 10, 120, 100]}])
+    sub = Subscriber(endpoint, ["sam2.live", "event.live"])
+    eng = Engine(cfg)
+    eng.start()
+    pool = eng.pools["sam2"]
+    stage = pool.spec.processor.stage
+    try:
+        t_end = time.monotonic() + 120
+        while pool.qos.state()["level"] == 0 and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert pool.qos.state()["level"] == 1, pool.qos.state()
+        got, degraded = [], []
+        while len(got) < 3 and time.monotonic() < t_end:
+            m = sub.recv(1)
+            if m is None:
+                continue
+            if m["type"] == "event" and m["kind"] == "degraded":
+                degraded.append(m)
+            elif m["type"] == "sam2" and degraded:
+                got.append(m)
+        banks = {o: b.image_size for o, b in stage._streams["live"].objects.items()}
+    finally:
+        eng.stop()
+        sub.close()
+    assert degraded and degraded[0]["level"] == "image_size=128" and degraded[0]["pool"] == "sam2", degraded
+    assert len(got) == 3 and all([o["id"] for o in m["objects"]] == [1] for m in got), got
+    assert banks == {1: 128}
+    assert max(m["latency_ms"] for m in got) <= budget_ms + 1.0

@@ -57,6 +57,8 @@ class ObjectBank:
     num_maskmem: int
     max_ptrs: int
     cond: dict[int, Memory] = field(default_factory=dict)  # the prompt frame (re-prompting restarts the bank)
+    image_size: int = 0                                    # the encoder size its memories were made at
+    last_logits: Optional[torch.Tensor] = None             # (1, 1, s/4, s/4) last mask scores: a new size restarts from it
     maskmems: deque = field(init=False)                    # (t, Memory) of the last num_maskmem - 1 frames
     ptrs: deque = field(init=False)                        # (t, obj_ptr) of the last max_ptrs - 1 frames
 
@@ -76,7 +78,7 @@ class ObjectBank:
 
     def copy(self) -> "ObjectBank":
         """A bank to step on: the entries (tensors) are shared, the containers are not."""
-        new = ObjectBank(self.num_maskmem, self.max_ptrs, dict(self.cond))
+        new = ObjectBank(self.num_maskmem, self.max_ptrs, dict(self.cond), self.image_size, self.last_logits)
         new.maskmems.extend(self.maskmems)
         new.ptrs.extend(self.ptrs)
         return new
@@ -88,13 +90,14 @@ class StreamTrack:
     objects: dict[int, ObjectBank] = field(default_factory=dict)
     pending: dict[int, Prompt] = field(default_factory=dict)  # applied on the next processed frame
     size: Optional[tuple[int, int]] = None  # (height, width) of the stream's frames
+    idle: bool = False  # its last processed frame had no objects and no prompts: encoders may skip its frames
     failures: dict[int, int] = field(default_factory=dict)  # consecutive failed steps (or inits) per object
     step_failures: int = 0  # object steps that failed in the step being staged (counted at commit)
 
     def staged(self) -> "StreamTrack":
         """A copy to step on; it replaces this one only if the step is committed."""
         return StreamTrack(self.frame_idx, {o: b.copy() for o, b in self.objects.items()}, dict(self.pending),
-                           self.size, dict(self.failures))
+                           self.size, idle=self.idle, failures=dict(self.failures))
 
     def count(self) -> int:
         return len(self.objects) + len(self.pending.keys() - self.objects.keys())
@@ -107,3 +110,4 @@ class FrameFeatures:
     vision_feats: list[torch.Tensor]  # per level (HW, 1, C)
     vision_pos: list[torch.Tensor]
     feat_sizes: list[tuple[int, int]]
+    image_size: int                   # the encoder input size (square) these came from

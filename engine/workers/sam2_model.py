@@ -127,6 +127,22 @@ def build_sam2_model(config: str, checkpoint: str, image_size: int, device: torc
     return model.to(device).eval(), tag
 
 
+def resized_model(main: torch.nn.Module, config: str, image_size: int) -> torch.nn.Module:
+    """SAM 2 built for another input size, sharing `main`'s weights (the same tensors, no copy).
+
+    The size lives outside the weights: the model's image_size, the prompt encoder's grid, the memory
+    attention's RoPE tables (size / 16; a module recomputes them in place when the size changes, so
+    sizes cannot share one module tree). Built on the CPU with throw-away random weights (~1-2 s for
+    hiera-t), which `load_state_dict(assign=True)` replaces by main's tensors."""
+    from sam2.build_sam import build_sam2_video_predictor
+
+    model = build_sam2_video_predictor(config_path(config), ckpt_path=None, device="cpu",
+                                       hydra_overrides_extra=size_overrides(image_size))
+    model.load_state_dict(main.state_dict(), strict=True, assign=True)
+    device = next(main.parameters()).device
+    return model.to(device).eval()
+
+
 @functools.lru_cache(maxsize=8)
 def _preprocessor(image_size: int, mode: str, device: torch.device) -> Preprocessor:
     return Preprocessor(sam2_contract(image_size), mode, device)

@@ -7,7 +7,15 @@ for ever. Here (b)-(d) run as one batched call for all due pairs whose memories 
 shape (at steady state: all of them), and each object keeps a bounded bank (sam2_memory.py).
 
 Frame indices are per-stream counts of *processed* frames: a frame dropped for its deadline
-never reaches the tracker, so it leaves no hole in the memory.
+never reaches the tracker, so it leaves no hole in the memory. Nor does a frame that was not
+encoded: a stream whose last processed frame had no objects and no prompts is `idle`, the
+encoders skip its frames (no features), and a prompt given meanwhile starts on the next frame
+that is encoded.
+
+Encoder input sizes: the stage holds one model per size (weights shared) and each bank remembers
+the size its memories were made at. A frame encoded at another size (the pool stepped its size
+down or up) restarts each object at the new size from its last mask, as a mask prompt (what
+Meta's predictor does for `add_new_mask`): same id, no gap in the results.
 
 One owner: the SAM 2 pool's output thread runs every method (control requests included), so
 there are no locks. Transactional: a step works on staged copies of its streams' state (`begin`)
@@ -33,7 +41,7 @@ from .sam2_memory import FrameFeatures, Memory, ObjectBank, Prompt, PromptError,
 from .sam2_model import has_hole_filling
 
 __all__ = ["DecoderStage", "FrameFeatures", "Memory", "ObjectBank", "Prompt", "PromptError", "StreamTrack",
-           "encode", "render"]
+           "encode", "render", "render_frame"]
 
 # SAM2VideoPredictor passes the video length as `num_frames`; min(num_frames, 16) shapes the
 # pointers' time encoding. A live stream has no length: any value >= max_obj_ptrs_in_encoder
@@ -50,17 +58,26 @@ class _Due:
     t: int
     feats: FrameFeatures
     prompt: Optional[Prompt] = None
+    carry: bool = False  # the bank was made at another input size: restart it at this one from its last mask
+
+    @property
+    def starts(self) -> bool:
+        """A frame that (re)starts the object's bank rather than stepping it."""
+        return self.prompt is not None or self.carry
 
 
 class DecoderStage:
     """Memory attention + mask decoder + memory encoder for every due (stream, object) pair."""
 
-    def __init__(self, model: torch.nn.Module, *, max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS):
+    def __init__(self, model: torch.nn.Module, *, sized: Optional[dict[int, torch.nn.Module]] = None,
+                 max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS):
+        """model: SAM 2 at its configured input size; sized: the same weights built at other sizes."""
         self.model = model
+        self.models = {model.image_size: model, **(sized or {})}
         self.device = next(model.parameters()).device
         self.max_objects, self.max_attempts = max_objects, max_attempts
         self._streams: dict[str, StreamTrack] = {}
-        self._pos_enc: Optional[torch.Tensor] = None  # maskmem_pos_enc[-1]: the same for every frame
+        self._pos_enc: dict[int, torch.Tensor] = {}  # per input size: maskmem_pos_enc[-1], the same every frame
         self.calls: deque = deque(maxlen=10_000)  # batch size of each batched decoder call (tests, benchmarks)
         # seconds per batched call of each sub-stage, for benchmarks (bounded)
         self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
@@ -106,6 +123,7 @@ class DecoderStage:
             prompt.check(st.size[1], st.size[0], f"stream {stream!r} object {prompt.obj_id}")
         st.pending[prompt.obj_id] = prompt
         st.failures.pop(prompt.obj_id, None)
+        st.idle = False  # encode its frames again from now on
         self._refresh()
 
     def remove_object(self, stream: str, obj_id: int) -> None:
@@ -118,8 +136,14 @@ class DecoderStage:
         self._refresh()
 
     def _refresh(self) -> None:
-        self.snapshot = {s: {"frame": st.frame_idx, "objects": sorted(st.objects), "pending": sorted(st.pending)}
-                         for s, st in self._streams.items()}
+        self.snapshot = {s: {"frame": st.frame_idx, "objects": sorted(st.objects), "pending": sorted(st.pending),
+                             "idle": st.idle} for s, st in self._streams.items()}
+
+    def wants_frames(self, stream: str) -> bool:
+        """Whether a frame of this stream should be encoded (any thread: reads the snapshot). False only
+        for a stream whose last processed frame had nothing to track and that got no prompt since."""
+        d = self.snapshot.get(stream)
+        return d is None or not d["idle"]
 
     def list(self) -> dict[str, dict]:
         return self.snapshot
@@ -154,14 +178,15 @@ class DecoderStage:
     @torch.inference_mode()
     def track(self, staged: dict[str, StreamTrack], frames: list[tuple[str, FrameFeatures, tuple[int, int]]]
               ) -> tuple[list[list[dict]], list[tuple[str, str, str]]]:
-        """Track every object of each given frame on the staged state. `frames`: (stream, features, (H, W)),
-        at most one frame per stream per call. Returns per frame a list sorted by object id of
-        {id, logits (1, 1, h, w) low-res mask scores, score} or {id, error}, and the events to publish."""
+        """Track every object of each given frame on the staged state. `frames`: (stream, features or None
+        for a frame that was not encoded, (H, W)), at most one frame per stream per call. Returns per frame
+        a list sorted by object id of {id, logits (1, 1, h, w) low-res mask scores, score} or {id, error},
+        and the events to publish."""
         events: list[tuple[str, str, str]] = []
         due = self._due(staged, frames, events)
         results: dict[int, dict] = {}
         for i, d in enumerate(due):
-            if d.prompt is not None:
+            if d.starts:
                 try:
                     results[i], bank = self._init_object(d, staged[d.stream].size)
                 except Exception as err:
@@ -178,12 +203,17 @@ class DecoderStage:
                     results[i] = self._failed(st, d, out, events)
                     continue
                 d.bank.push(d.t, out.pop("memory"))
+                d.bank.last_logits = out["logits"]
                 st.failures.pop(d.obj_id, None)
                 results[i] = out
         out: list[list[dict]] = [[] for _ in frames]
         order = {s: k for k, (s, _, _) in enumerate(frames)}
         for i, d in enumerate(due):
             out[order[d.stream]].append(dict(results[i], id=d.obj_id))
+        for k, (stream, feats, _) in enumerate(frames):
+            if feats is None:  # objects added while this frame was skipped (several encoders raced): say so
+                out[k] += [{"id": o, "error": "frame not encoded: the stream had nothing to track when it was "
+                                              "dispatched"} for o in staged[stream].objects]
         for lst in out:
             lst.sort(key=lambda r: r["id"])
         return out, events
@@ -199,25 +229,30 @@ class DecoderStage:
                 except PromptError as err:
                     st.pending.pop(obj_id)
                     events.append((stream, "error", f"object {obj_id} rejected: {err}"))
+            if feats is None:
+                continue  # not encoded: not a processed frame (prompts wait for the next one)
+            st.idle = not st.objects and not st.pending
             for obj_id in sorted(set(st.objects) | set(st.pending)):
                 prompt = st.pending.get(obj_id)
-                due.append(_Due(stream, obj_id, None if prompt else st.objects[obj_id], st.frame_idx, feats, prompt))
+                bank = None if prompt else st.objects[obj_id]
+                carry = bank is not None and bank.image_size != feats.image_size
+                due.append(_Due(stream, obj_id, bank, st.frame_idx, feats, prompt, carry))
             st.frame_idx += 1
         return due
 
     def _track_groups(self, due: list[_Due]):
         """(indices, outputs) per group of same-shaped memories: one batched call each; if it raises,
         each object alone, so only the failing ones fail."""
-        groups: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
         gathered = {}
         for i, d in enumerate(due):
-            if d.prompt is None:
+            if not d.starts:
                 try:
                     gathered[i] = self._gather(d.bank, d.t)
                 except Exception as err:
                     yield [i], [err]
                     continue
-                groups.setdefault((gathered[i][0].shape[0], gathered[i][2]), []).append(i)
+                groups.setdefault((d.bank.image_size, gathered[i][0].shape[0], gathered[i][2]), []).append(i)
         for idxs in groups.values():
             try:
                 outs = self._track_batch([due[i] for i in idxs], [gathered[i] for i in idxs])
@@ -244,34 +279,58 @@ class DecoderStage:
             events.append((d.stream, "error", f"object {d.obj_id} {what} after {n} failed steps in a row: {why}"))
         return {"error": why}
 
+    def _model(self, image_size: int) -> torch.nn.Module:
+        m = self.models.get(image_size)
+        if m is None:
+            raise ValueError(f"features at input size {image_size}: the decoder stage has models for {sorted(self.models)}")
+        return m
+
     def _init_object(self, d: _Due, size: tuple[int, int]) -> tuple[dict, ObjectBank]:
-        """A prompt frame: SAM on this frame alone, then its memory (as the predictor's preflight does).
+        """A prompt frame (points / box, or the object's last mask when its bank was made at another
+        input size): SAM on this frame alone, then its memory (as the predictor's preflight does).
         Returns the result and the object's new bank."""
-        m = self.model
-        h, w = size
-        coords, labels = [], []
-        if d.prompt.box is not None:
-            coords += [d.prompt.box[:2], d.prompt.box[2:]]
-            labels += [2, 3]
-        for x, y, lab in d.prompt.points or []:
-            coords.append([x, y])
-            labels.append(int(lab))
-        pts = torch.tensor(coords, dtype=torch.float32)[None] / torch.tensor([w, h]) * m.image_size
-        point_inputs = {"point_coords": pts.to(self.device), "point_labels": torch.tensor([labels], dtype=torch.int32,
-                                                                                            device=self.device)}
         f = d.feats
+        m = self._model(f.image_size)
+        if d.prompt is not None:
+            point_inputs, mask_inputs = self._point_inputs(d.prompt, size, m.image_size), None
+        else:
+            point_inputs, mask_inputs = None, self._mask_inputs(d.bank, size, m.image_size)
         out = m.track_step(frame_idx=d.t, is_init_cond_frame=True, current_vision_feats=f.vision_feats,
                            current_vision_pos_embeds=f.vision_pos, feat_sizes=f.feat_sizes, point_inputs=point_inputs,
-                           mask_inputs=None, output_dict={"cond_frame_outputs": {}, "non_cond_frame_outputs": {}},
+                           mask_inputs=mask_inputs, output_dict={"cond_frame_outputs": {}, "non_cond_frame_outputs": {}},
                            num_frames=NUM_FRAMES, run_mem_encoder=False)
         masks = self._fill_holes(out["pred_masks"])
         high = F.interpolate(masks, size=(m.image_size, m.image_size), mode="bilinear", align_corners=False)
+        # the predictor encodes every frame the user prompted (points or mask) with is_mask_from_pts=True
         maskmem, pos = m._encode_new_memory(current_vision_feats=f.vision_feats, feat_sizes=f.feat_sizes,
                                             pred_masks_high_res=high, object_score_logits=out["object_score_logits"],
                                             is_mask_from_pts=True)
-        self._remember_pos(pos)
-        bank = ObjectBank(m.num_maskmem, m.max_obj_ptrs_in_encoder, {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])})
+        self._remember_pos(pos, m.image_size)
+        bank = ObjectBank(m.num_maskmem, m.max_obj_ptrs_in_encoder,
+                          {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])}, m.image_size, masks)
         return {"logits": masks, "score": out["object_score_logits"]}, bank
+
+    def _point_inputs(self, prompt: Prompt, size: tuple[int, int], image_size: int) -> dict:
+        h, w = size
+        coords, labels = [], []
+        if prompt.box is not None:
+            coords += [prompt.box[:2], prompt.box[2:]]
+            labels += [2, 3]
+        for x, y, lab in prompt.points or []:
+            coords.append([x, y])
+            labels.append(int(lab))
+        pts = torch.tensor(coords, dtype=torch.float32)[None] / torch.tensor([w, h]) * image_size
+        return {"point_coords": pts.to(self.device),
+                "point_labels": torch.tensor([labels], dtype=torch.int32, device=self.device)}
+
+    @staticmethod
+    def _mask_inputs(bank: ObjectBank, size: tuple[int, int], image_size: int) -> torch.Tensor:
+        """The object's last mask as published (at the stream's resolution), resized to the new input size
+        as the predictor's add_new_mask resizes a user's mask: (1, 1, S, S) float 0/1."""
+        video = F.interpolate(bank.last_logits.float(), size=size, mode="bilinear", align_corners=False) > 0
+        mask = F.interpolate(video.float(), size=(image_size, image_size), mode="bilinear", align_corners=False,
+                             antialias=True)
+        return (mask >= 0.5).float()
 
     def _fill_holes(self, masks: torch.Tensor) -> torch.Tensor:
         # Needs sam2's compiled CUDA extension; without it the predictor skips this step too (with a
@@ -287,14 +346,14 @@ class DecoderStage:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _remember_pos(self, pos: list[torch.Tensor]) -> None:
-        if self._pos_enc is None:
-            self._pos_enc = pos[-1][0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
+    def _remember_pos(self, pos: list[torch.Tensor], image_size: int) -> None:
+        if image_size not in self._pos_enc:
+            self._pos_enc[image_size] = pos[-1][0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
 
     def _gather(self, bank: ObjectBank, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One object's memory tokens, in SAM 2's order: cond frames, recent mask memories, pointers."""
         from sam2.modeling.sam2_utils import get_1d_sine_pe, select_closest_cond_frames
-        m = self.model
+        m = self._model(bank.image_size)
         C, nm = m.hidden_dim, m.num_maskmem
         selected, unselected = select_closest_cond_frames(t, bank.cond, m.max_cond_frames_in_attn)
         recent = dict(bank.maskmems)
@@ -307,7 +366,7 @@ class DecoderStage:
             if mem is None:
                 continue
             mems.append(mem.maskmem.to(self.device).float().flatten(2).permute(2, 0, 1))
-            poss.append(self._pos_enc + m.maskmem_tpos_enc[nm - t_pos - 1])
+            poss.append(self._pos_enc[bank.image_size] + m.maskmem_tpos_enc[nm - t_pos - 1])
         n_ptr_tokens = 0
         max_ptrs = min(NUM_FRAMES, m.max_obj_ptrs_in_encoder)
         pos_and_ptrs = [((t - ct) if m.use_signed_tpos_enc_to_obj_ptrs else abs(t - ct), mem.obj_ptr)
@@ -342,7 +401,7 @@ class DecoderStage:
     def _track_batch(self, items: list[_Due], gathered: list) -> list[dict]:
         """(b) memory attention, (c) mask decoder, (d) memory encoder: one call each for the group.
         Returns per item {logits, score, memory}; the banks are not touched (the caller pushes)."""
-        m = self.model
+        m = self._model(items[0].feats.image_size)
         B = len(items)
         self.calls.append(B)
         feats = [d.feats for d in items]
@@ -369,7 +428,7 @@ class DecoderStage:
         self.stage_s["memory_attention"].append(t1 - t0)
         self.stage_s["mask_decoder"].append(t2 - t1)
         self.stage_s["memory_encoder"].append(t3 - t2)
-        self._remember_pos(pos)
+        self._remember_pos(pos, m.image_size)
         maskmem = maskmem.to(torch.bfloat16)
         filled = self._fill_holes(low)
         return [{"logits": filled[i:i + 1], "score": score[i:i + 1], "memory": Memory(maskmem[i:i + 1], obj_ptr[i:i + 1])}
@@ -389,6 +448,30 @@ def render(result: dict, height: int, width: int) -> dict:
             "bbox": bbox, "score": float(torch.sigmoid(result["score"].float()).item())}
 
 
+def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
+    """`render` for all objects of one frame at once: one resize for all their masks, the bbox from row and
+    column maxima (no pixel list), one RLE call; the same output as `render` on each."""
+    from pycocotools import mask as mask_utils
+
+    if not results:
+        return []
+    if len({r["logits"].shape for r in results}) > 1:  # masks at different sizes cannot share one resize
+        return [render(r, height, width) for r in results]
+    logits = torch.cat([r["logits"] for r in results]).float()
+    video = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)[:, 0] > 0
+    binary = video.cpu().numpy()  # (N, H, W) bool
+    rles = mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0).astype(np.uint8)))
+    rows, cols = binary.any(axis=2), binary.any(axis=1)  # (N, H), (N, W)
+    scores = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float()).tolist()
+    out = []
+    for k, r in enumerate(results):
+        ys, xs = np.flatnonzero(rows[k]), np.flatnonzero(cols[k])
+        bbox = [int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1] if xs.size else None
+        out.append({"id": int(r["id"]), "mask": {"size": [int(height), int(width)], "counts": rles[k]["counts"].decode()},
+                    "bbox": bbox, "score": float(scores[k])})
+    return out
+
+
 @torch.inference_mode()
 def encode(model: torch.nn.Module, images: torch.Tensor) -> list[FrameFeatures]:
     """(a) the image encoder on a batch of frames (any streams); features split per frame."""
@@ -398,5 +481,5 @@ def encode(model: torch.nn.Module, images: torch.Tensor) -> list[FrameFeatures]:
         one = {"backbone_fpn": [x[i:i + 1] for x in out["backbone_fpn"]],
                "vision_pos_enc": [x[i:i + 1] for x in out["vision_pos_enc"]]}
         _, vision_feats, vision_pos, sizes = model._prepare_backbone_features(one)
-        feats.append(FrameFeatures(vision_feats, vision_pos, sizes))
+        feats.append(FrameFeatures(vision_feats, vision_pos, sizes, images.shape[-1]))
     return feats
