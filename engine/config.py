@@ -99,12 +99,11 @@ class ClassifyConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on cuda, float32 on cpu."""
     workers: Optional[int] = Field(None, ge=1, le=16)
-    """Worker instances (threads) sharing one copy of the model. Default: chosen from the cores and
-    pools at start and logged (engine/tuning.py): on a CPU one-thread instances, one per core of the
-    pool's share (2 instances x 1 thread beat 1 x 2 threads when decoding shares the cores); on a GPU 1."""
+    """Worker instances (threads) sharing one copy of the model. Default: chosen from the cores, the
+    pools and the streams' mode at start, and logged (engine/tuning.py): on a CPU, offline streams get
+    one-thread instances (throughput), live ones one instance with the pool's cores (latency); on a GPU 1."""
     threads: Optional[int] = Field(None, ge=1)
-    """Intra-op threads per worker instance on the CPU. Default: chosen with `workers` (see there);
-    widened at warm-up if a frame on one thread would take more than half of budget.latency_ms."""
+    """Intra-op threads per worker instance on the CPU. Default: chosen with `workers` (see there)."""
 
 
 class Sam2Config(_Strict):

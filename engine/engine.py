@@ -82,12 +82,12 @@ class Engine:
         for name, pcfg in configured.items():
             plan = None
             if name not in self._injected:  # injected workers (tests, benchmarks) are taken as they are
-                pcfg, plan = auto_plan(name, pcfg, cores=cores, pools=len(configured))
+                pcfg, plan = auto_plan(name, pcfg, cores=cores, pools=len(configured), live=live)
             spec = build_pool(name, pcfg, self._injected.get(name), self._factories.get(name))
             spec.plan = plan
             pool = Pool(spec, publisher=self.publisher, faults=cfg.faults, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
                         credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos)
-            pool.warmup(budget_s=cfg.budget.latency_ms / 1e3 if live else None)
+            pool.warmup()
             self.pools[name] = pool
         if cfg.publish.min_subscribers:
             log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,

@@ -66,23 +66,11 @@ class Pool:
                                stream, kind, reason, fields=lambda: dict(fields)))
 
     # -- start / stop -------------------------------------------------------------------------
-    def warmup(self, budget_s: Optional[float] = None) -> None:
-        """Measure batch times (seeding the scheduler) under the workers' own thread count. With a
-        chosen (not configured) plan of several one-thread instances and live streams: if one frame
-        on one thread would take more than half of the latency budget, the cores go to one wider
-        instance instead (a deadline is per frame; throughput is not what such a stream needs)."""
-        times = self._warmup_times()
-        plan, workers = self.spec.plan, self.slots.workers
-        if (budget_s and plan is not None and plan.auto and len(workers) > 1 and self.spec.threads == 1
-                and times.get(1, 0.0) > budget_s / 2):
-            for w in workers[1:]:
-                w.close()
-            self.spec.workers, self.spec.threads = workers[:1], plan.cores
-            log.info("pool %s: a frame on 1 thread takes %.0f ms, over half the %.0f ms budget: 1 worker x %d "
-                     "threads instead", self.name, times[1] * 1e3, budget_s * 1e3, plan.cores)
-            times = self._warmup_times()
-        for b, seconds in times.items():
+    def warmup(self) -> None:
+        """Measure batch times under the workers' own thread count; they seed the scheduler."""
+        for b, seconds in self._warmup_times().items():
             self.scheduler.update(b, seconds)
+        plan = self.spec.plan
         why = f" ({plan.why})" if plan is not None else ""
         log.info("pool %s: %d worker(s) x %s thread(s)%s; warm-up %s", self.name, len(self.slots.workers),
                  self.spec.threads or "torch's", why,

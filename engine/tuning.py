@@ -1,19 +1,22 @@
 """Defaults that fit the machine: worker instances and intra-op threads per pool, when the config
-leaves them unset. Pure functions of the cores, the pools and the device (no model, no clock), so
-they are tested as a table; `Engine` applies them, logs the choice, and `Pool.warmup` checks the
-one thing that needs a measurement (does a frame on one thread still fit the latency budget).
+leaves them unset. Pure functions of the cores, the pools, the streams' mode and the device (no
+model, no clock), so they are tested as a table; `Engine` applies them and logs the choice.
 
-Why many one-thread instances on a CPU: OpenMP's parallel regions are barrier-synchronised, so an
-instance with k threads stalls whenever the decoder (or another pool) takes one of its cores, and
-small models do not scale across threads anyway. Measured on 2 cores, vit_tiny at batch 4 on 720p:
-2 instances x 1 thread ran 1.2-1.5x the frames/s of 1 instance x 2 threads (benchmarks/RESULTS.md).
-The model is shared, so an instance costs only its activations.
+Offline streams (throughput): many one-thread instances. OpenMP's parallel regions are
+barrier-synchronised, so an instance with k threads stalls whenever the decoder (or another pool)
+takes one of its cores, and small models do not scale across threads anyway. Measured on 2 cores,
+vit_tiny at batch 4: 2 instances x 1 thread ran 1.1-1.5x the frames/s of 1 instance x 2 threads
+(benchmarks/RESULTS.md). The model is shared, so an instance costs only its activations.
 
-On 16 cores the rule gives 8 instances x 2 threads (one pool) or 8 x 1 per pool (two pools): past
-8 instances per pool the batches a scheduler can form get too small to feed them, so further cores
-go to threads. This rule is not measured on 16 cores (our machines have 2): say so when you tune.
-On a GPU the instance count stays 1 (each instance has its own CUDA stream; more do not make the
-GPU faster) and threads only matter for preprocessing: untested here, no GPU.
+Live streams (latency): one instance with the pool's cores, because a deadline is per frame and a
+frame on one thread takes nearly twice as long. Measured on 2 cores, `make run`'s demo (vit_tiny,
+30 fps): 1 x 2 threads published at p50 33 ms, 2 x 1 thread at p50 63 ms, both keeping up. When a
+live pool cannot keep up, the degradation ladder samples the streams (ladder.py).
+
+Past 8 threads per instance (live) or 8 instances (offline) per pool, the rule adds the other kind:
+16 cores, one pool: live 2 x 8, offline 8 x 2; two pools: live 1 x 8, offline 8 x 1 each. This rule
+is not measured on 16 cores (our machines have 2). On a GPU the instance count stays 1 (each instance
+has its own CUDA stream; more do not make the GPU faster): untested here, no GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-MAX_INSTANCES = 8  # per pool; beyond, extra cores become intra-op threads (see above)
+MAX_INSTANCES = 8  # per pool, offline; beyond, extra cores become intra-op threads (see above)
+MAX_THREADS = 8    # per instance, live; beyond, extra cores become instances
 
 
 def usable_cores() -> int:
@@ -40,21 +44,26 @@ class ThreadPlan:
     workers: int
     threads: Optional[int]
     why: str
-    auto: bool = False  # chosen here, not configured: warm-up may widen it (Pool.warmup)
 
     @property
     def cores(self) -> int:
         return self.workers * (self.threads or 1)
 
 
-def split(cores: int, threads_per_instance: int = 1) -> tuple[int, int]:
-    """(instances, threads each) for `cores`: one-thread instances up to MAX_INSTANCES, then wider ones."""
-    t = max(threads_per_instance, -(-cores // MAX_INSTANCES))
+def split(cores: int, *, live: bool) -> tuple[int, int]:
+    """(instances, threads each) for `cores`: live, one wide instance up to MAX_THREADS, then more;
+    offline, one-thread instances up to MAX_INSTANCES, then wider ones."""
+    if live:
+        w = -(-cores // MAX_THREADS)
+        return w, max(1, cores // w)
+    t = -(-cores // MAX_INSTANCES)
     return max(1, cores // t), t
 
 
-def plan_classify(*, cores: int, pools: int, cuda: bool, workers: Optional[int], threads: Optional[int]) -> ThreadPlan:
-    """The classify pool's plan. `pools`: pools sharing the cores; given values are kept."""
+def plan_classify(*, cores: int, pools: int, cuda: bool, live: bool, workers: Optional[int],
+                  threads: Optional[int]) -> ThreadPlan:
+    """The classify pool's plan. `pools`: pools sharing the cores; `live`: any live stream (or none
+    configured yet: streams added at run time are usually cameras); given values are kept."""
     if cuda:
         return ThreadPlan(workers or 1, threads, "GPU: one instance per pool (its own CUDA stream)")
     share = max(1, cores // max(1, pools))
@@ -65,5 +74,6 @@ def plan_classify(*, cores: int, pools: int, cuda: bool, workers: Optional[int],
         return ThreadPlan(workers, max(1, share // workers), f"{where}; workers as configured")
     if threads:
         return ThreadPlan(max(1, share // threads), threads, f"{where}; threads as configured")
-    w, t = split(share)
-    return ThreadPlan(w, t, f"{where}: one-thread instances beat one wide instance on a CPU", auto=True)
+    w, t = split(share, live=live)
+    why = "live streams: the fastest frame" if live else "offline streams: one-thread instances for throughput"
+    return ThreadPlan(w, t, f"{where}; {why}")

@@ -154,8 +154,8 @@ def build_pool(cfg: ClassifyConfig, *, workers: list[Worker] | None = None,
     return PoolSpec("classify", workers, factory, cfg.max_batch, cfg.threads)
 
 
-def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int) -> tuple[ClassifyConfig, ThreadPlan]:
+def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int, live: bool) -> tuple[ClassifyConfig, ThreadPlan]:
     """Fill in `workers`/`threads` the config left unset (engine/tuning.py says why)."""
     cuda = resolve_device(cfg.device, f"{KEY}.device").type == "cuda"
-    plan = plan_classify(cores=cores, pools=pools, cuda=cuda, workers=cfg.workers, threads=cfg.threads)
+    plan = plan_classify(cores=cores, pools=pools, cuda=cuda, live=live, workers=cfg.workers, threads=cfg.threads)
     return cfg.model_copy(update={"workers": plan.workers, "threads": plan.threads}), plan

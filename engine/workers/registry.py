@@ -49,13 +49,13 @@ def build_pool(name: str, cfg, workers: Optional[list[Worker]] = None,
     return module.build_pool(cfg, workers=workers, factory=factory)
 
 
-def auto_plan(name: str, cfg, *, cores: int, pools: int) -> tuple[object, Optional[ThreadPlan]]:
+def auto_plan(name: str, cfg, *, cores: int, pools: int, live: bool) -> tuple[object, Optional[ThreadPlan]]:
     """The family's defaults for what `cfg` leaves unset (instances, threads), from the machine; a
     family without `auto_plan` keeps its config as it is."""
     module = importlib.import_module(FAMILIES[name])
     if not hasattr(module, "auto_plan"):
         return cfg, None
-    return module.auto_plan(cfg, cores=cores, pools=pools)
+    return module.auto_plan(cfg, cores=cores, pools=pools, live=live)
 
 
 def pool_for_op(op: str) -> Optional[str]:

@@ -211,9 +211,9 @@ def _apply_thread_defaults(cfg: Sam2Config, device: torch.device, cores: Optiona
     return cfg.model_copy(update=unset)
 
 
-def auto_plan(cfg: Sam2Config, *, cores: int, pools: int) -> tuple[Sam2Config, ThreadPlan]:
+def auto_plan(cfg: Sam2Config, *, cores: int, pools: int, live: bool) -> tuple[Sam2Config, ThreadPlan]:
     """The engine's hook (workers/registry.py): the pool's share of the cores, as `sam2_thread_defaults`
-    divides it. Values the user gave are kept."""
+    divides it (one encoder instance whatever the streams' mode). Values the user gave are kept."""
     share = max(1, cores // max(1, pools))
     device = resolve_device(cfg.device, f"{KEY}.device")
     given = cfg.model_fields_set & {"encoders", "threads", "decoder_threads"}
