@@ -39,8 +39,9 @@ class OutputStage:
                  faults: FaultPolicy, processor: Optional[OutputProcessor] = None,
                  on_timing: Callable[[int, float], None] = lambda b, s: None,
                  on_drop: Callable[[str, DropReason], None] = lambda s, r: None,
-                 clock: Callable[[], float] = time.monotonic):
-        self.pool, self.weights = pool, weights  # the pool's name is its results' type and topic
+                 clock: Callable[[], float] = time.monotonic, threads: Optional[int] = None):
+        self.pool, self.weights = pool, weights
+        self._threads = threads  # intra-op threads of this stage's thread (SAM 2's decoder stage)  # the pool's name is its results' type and topic
         self._acct, self._publisher, self._faults, self.processor = acct, publisher, faults, processor
         self._on_timing, self._on_drop, self._clock = on_timing, on_drop, clock
         # everything below is guarded by the ledger lock (acct.lock)
@@ -142,8 +143,7 @@ class OutputStage:
 
     # -- the stage's thread -------------------------------------------------------------------------
     def _run(self, gen: int) -> None:
-        if self.processor is not None and self.processor.threads:
-            set_intra_op_threads(self.processor.threads)
+        set_intra_op_threads(self._threads)
         while True:
             self._run_messages(gen)
             with self._acct.lock:

@@ -56,7 +56,8 @@ class Pool:
         self.drop_log = DropLog(spec.name, self.acct.lock)
         self.output = OutputStage(spec.name, weights=spec.workers[0].weights_tag, acct=self.acct,
                                   publisher=publisher, faults=self.faults, processor=spec.processor,
-                                  on_timing=self._timing, on_drop=self.drop_log.note, clock=clock)
+                                  on_timing=self._timing, on_drop=self.drop_log.note, clock=clock,
+                                  threads=spec.output_threads)
         self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
                                  metrics=metrics, wake=wake, clock=clock)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)

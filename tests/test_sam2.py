@@ -411,10 +411,10 @@ def test_thread_defaults_fill_only_unset_keys(ckpt):
     import os
     chosen = sam2_thread_defaults(os.cpu_count(), torch.device("cpu"))
     spec = build_pool(Sam2Config(**base))
-    assert (len(spec.workers), spec.threads, spec.processor.threads) == (chosen["encoders"], chosen["threads"],
+    assert (len(spec.workers), spec.threads, spec.output_threads) == (chosen["encoders"], chosen["threads"],
                                                                          chosen["decoder_threads"])
     spec = build_pool(Sam2Config(**base, threads=3, decoder_threads=5))  # what the user set is kept
-    assert (len(spec.workers), spec.threads, spec.processor.threads) == (chosen["encoders"], 3, 5)
+    assert (len(spec.workers), spec.threads, spec.output_threads) == (chosen["encoders"], 3, 5)
     spec = build_pool(Sam2Config(**base, encoders=2))
     assert len(spec.workers) == 2 and spec.workers[1].model is spec.workers[0].model
 

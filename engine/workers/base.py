@@ -65,8 +65,6 @@ class OutputProcessor(ABC):
 
     #: control ops this processor serves (e.g. add_object); the engine routes them here
     ops: tuple[str, ...] = ()
-    #: intra-op threads of the output thread on the CPU (None: torch's default)
-    threads: int | None = None
 
     def add_stream(self, stream: str) -> None:
         """A stream starts feeding the pool."""

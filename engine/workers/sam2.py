@@ -94,9 +94,8 @@ class Sam2Processor(OutputProcessor):
 
     ops = FAMILY_OPS["sam2"]
 
-    def __init__(self, decoder: DecoderStage, *, threads: int | None = None):
+    def __init__(self, decoder: DecoderStage):
         self.stage = decoder
-        self.threads = threads  # the output thread's intra-op threads (Sam2Config.decoder_threads)
 
     def add_stream(self, stream: str) -> None:
         self.stage.add_stream(stream)
@@ -251,7 +250,7 @@ def build_pool(cfg: Sam2Config, *, workers: list[Worker] | None = None,
     rebuild = (lambda: wire(factory())) if factory is not None else None
     sizes = getattr(main, "sizes", [cfg.image_size])
     return PoolSpec("sam2", workers, rebuild, cfg.max_batch, cfg.threads,
-                    processor=Sam2Processor(decoder, threads=cfg.decoder_threads),
+                    processor=Sam2Processor(decoder), output_threads=cfg.decoder_threads,
                     levels=[f"image_size={s}" for s in sizes],
                     # the encoder's cost grows with the pixels: what the ladder expects a step up to cost
                     level_costs=[(s / sizes[0]) ** 2 for s in sizes])
