@@ -333,11 +333,13 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
     # it stops 3 s after a's eos, which comes at shutdown: b's shutdown eos may come just after a's
     col = Collector(endpoint, ["a"], linger_s=3)
     col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.b")
+    added = []  # wall-clock time of each re-add: every frame of that incarnation is captured after it
     try:
         for _ in range(4):
             assert wait_until(busy_with_b, 30), acct.snapshot("b")
             assert eng.control({"op": "remove_stream", "stream": "b"}, timeout=60) == {"ok": True}
             time.sleep(0.5)  # as between two `vidar control` calls (the first engine failed a's frames then)
+            added.append(time.time())
             assert eng.control({"op": "add_stream", "stream": {"id": "b", "url": "synthetic://shapes?size=160x120&fps=15"}})["ok"]
             assert eng.control({"op": "add_object", "stream": "b", "id": 1, "box": [10, 10, 80, 60]})["ok"]
         published = acct.snapshot("a").published
@@ -347,8 +349,10 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
     a = acct.snapshot("a")
     assert a.failed == {} and eng.check_dead() is None and a.balanced() and a.in_flight == 0
     assert eng.pools["sam2"].spec.processor.stage.object_failures == {}
-    # each incarnation of b: its results, then its eos; a new incarnation starts at seq 0 (the first
-    # engine could hand an old incarnation's frames to the new one's tracker)
+    # each incarnation of b: its results, then its eos; a new incarnation holds only its own frames (the
+    # first engine could hand an old incarnation's frames to the new one's tracker). Its first result
+    # need not be seq 0: a live stream is served newest first, so under load its first frames may be
+    # superseded; what tells incarnations apart is when their frames were captured.
     b = [m for m in col.wait(10) if m["stream"] == "b"]
     runs, current = [], []
     for m in b:
@@ -356,9 +360,11 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
             runs.append(current)
             current = []
         elif m["type"] == "sam2":
-            current.append(m["seq"])
+            current.append((m["seq"], m["t_capture"]))
     assert len(runs) == 5 and current == []  # 4 removals, then the shutdown's eos; nothing after an eos
-    assert all(run == sorted(run) and (not run or run[0] < 5) for run in runs)
+    assert all([q for q, _ in run] == sorted(q for q, _ in run) for run in runs)
+    for t_add, run in zip(added, runs[1:]):
+        assert all(t >= t_add for _, t in run), (t_add, run)
 
 
 def wait_until(pred, timeout):
