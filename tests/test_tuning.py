@@ -27,11 +27,14 @@ def test_plan_table(cores, pools, cuda, live, workers, threads, expect):
     assert (plan.workers, plan.threads) == expect
 
 
-@pytest.mark.parametrize("live", [False, True])
-def test_split_uses_the_cores_and_stays_bounded(live):
-    for cores in range(1, 65):
-        w, t = split(cores, live=live)
-        assert 1 <= w * t <= cores and w <= 8 and t <= 8 and w * t > cores - max(w, t)
+@pytest.mark.parametrize("cores, live, expect", [
+    (1, False, (1, 1)), (3, False, (3, 1)), (8, False, (8, 1)), (9, False, (4, 2)), (24, False, (8, 3)),
+    (64, False, (8, 8)), (1, True, (1, 1)), (3, True, (1, 3)), (8, True, (1, 8)), (9, True, (2, 4)),
+    (24, True, (3, 8)), (64, True, (8, 8)),
+])
+def test_split_table(cores, live, expect):
+    """Instances x threads per pool: at most 8 of the kind the mode prefers, then the other kind."""
+    assert split(cores, live=live) == expect
 
 
 @pytest.mark.parametrize("mode, expect", [("offline", "2 worker(s) x 1 thread(s) (2 of 2 core(s); offline"),
