@@ -216,12 +216,9 @@ def auto_plan(cfg: Sam2Config, *, cores: int, pools: int, live: bool) -> tuple[S
     share = max(1, cores // max(1, pools))
     device = resolve_device(cfg.device, f"{KEY}.device")
     given = cfg.model_fields_set & {"encoders", "threads", "decoder_threads"}
-    cfg = _apply_thread_defaults(cfg, device, share)
-    cfg = cfg.model_copy(update={k: getattr(cfg, k) for k in ("encoders", "threads", "decoder_threads")})
-    for k in ("encoders", "threads", "decoder_threads"):  # now set: build_pool must not choose again
-        cfg.model_fields_set.add(k)
+    cfg = _apply_thread_defaults(cfg, device, share)  # model_copy(update=) marks them set: build_pool keeps them
     decoder = cfg.decoder_threads or "torch's"
-    why = (f"{share} of {cores} core(s); one encoder instance, decoder stage {decoder} thread(s)"
+    why = (f"{share} of {cores} core(s); {cfg.encoders} encoder instance(s), decoder stage {decoder} thread(s)"
            + ("; given: " + ", ".join(sorted(given)) if given else ""))
     return cfg, ThreadPlan(cfg.encoders, cfg.threads, why)
 
