@@ -1,6 +1,7 @@
 # vidar: every target creates .venv and installs what it needs on first use.
 #   make run    the demo (built-in synthetic stream -> classification pool -> ZeroMQ)
-#   make test   the whole test suite (installs the RTSP test server's Debian packages if missing)
+#   make test   the whole test suite (installs the RTSP test server's and the browser tests' Debian
+#               packages if missing: GStreamer, chromium, chromium-driver)
 #   make bench  benchmarks (not part of make test); results in benchmarks/RESULTS.md
 #   make soak   SOAK_MINUTES (default 30) of 4 streams under faults; fails if RSS/fds/threads trend up
 
@@ -20,7 +21,7 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,cluster]"
 	touch $@
 
 run: $(VENV)/.base
@@ -28,12 +29,15 @@ run: $(VENV)/.base
 
 test: $(VENV)/.test
 	bash scripts/install-rtsp-deps.sh
-	VIDAR_REQUIRE_RTSP=1 $(PY) -m pytest -q -p no:cacheprovider
+	bash scripts/install-browser-deps.sh
+	VIDAR_REQUIRE_RTSP=1 VIDAR_REQUIRE_BROWSER=1 VIDAR_REQUIRE_RAY=1 $(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.test
 	bash scripts/install-bench-deps.sh
 	$(PY) benchmarks/bench_vit.py
 	$(PY) benchmarks/bench_sam2.py
+	bash scripts/install-browser-deps.sh
+	$(PY) benchmarks/bench_view.py
 
 soak: $(VENV)/.test
 	bash scripts/install-rtsp-deps.sh

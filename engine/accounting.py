@@ -143,6 +143,15 @@ class Accounting:
                     dropped.update(c.dropped)
         return ingested, dropped
 
+    def recent_latencies(self, stream: str, n: int) -> list[float]:
+        """The latencies (ms) of the stream's last `n` published results (at most the window's)."""
+        with self.lock:
+            c = self._streams.get(stream)
+            if c is None or n <= 0:
+                return []
+            lat = c.latencies_ms
+            return [lat[i] for i in range(max(0, len(lat) - n), len(lat))]
+
     def snapshot(self, stream: str) -> Snapshot:
         with self.lock:
             c = self._streams.get(stream) or StreamCounts()

@@ -25,6 +25,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"vidar: {err}", file=sys.stderr)
         return EXIT_CONFIG
+    if cfg.cluster is not None:
+        print("vidar: the cluster: section is for `vidar cluster run`; `vidar run` runs one engine here", flush=True)
     from .memory import limit_malloc_arenas
     limit_malloc_arenas(cfg.malloc_arenas)  # before any thread of ours exists (Engine.start does it again)
     import torch
@@ -111,6 +113,12 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """`vidar cluster up|run|status|drain|down` (engine/cluster: Ray is imported only here)."""
+    from .cluster import cli
+    return cli.main(args)
+
+
 def _curve_arg(args: argparse.Namespace):
     if args.curve_client_key or args.curve_server_key:
         if not (args.curve_client_key and args.curve_server_key):
@@ -150,6 +158,30 @@ def main(argv: list[str] | None = None) -> int:
     k = sub.add_parser("keys", help="create CURVE certificates (server and client) in a directory")
     k.add_argument("directory")
     k.set_defaults(func=cmd_keys)
+    cl = sub.add_parser("cluster", help="run across a Ray cluster (needs the extra: pip install -e '.[cluster]')")
+    csub = cl.add_subparsers(dest="cluster_cmd", required=True)
+    up = csub.add_parser("up", help="start Ray on this machine with vidar's failure-detection settings")
+    where = up.add_mutually_exclusive_group(required=True)
+    where.add_argument("--head", action="store_true", help="start the head node")
+    where.add_argument("--address", help="join the cluster whose head is at HOST:PORT")
+    up.add_argument("--node-ip-address", help="this node's address (default: Ray's choice; 127.0.0.1 for one machine)")
+    up.add_argument("--port", type=int, default=6379, help="head: the GCS port")
+    up.add_argument("--num-gpus", type=int, help="GPUs this node offers (default: Ray detects them)")
+    up.add_argument("--labels", help="node labels for cluster.pin, e.g. zone=a,room=2")
+    run = csub.add_parser("run", help="run a config (with a cluster: section) across the cluster")
+    run.add_argument("config")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    for name, helptext in (("status", "engines, their streams, slack and p99"), ("drain", "move every stream off a node"),
+                           ("down", "stop the vidar cluster and Ray on this machine")):
+        c2 = csub.add_parser(name, help=helptext)
+        if name == "drain":
+            c2.add_argument("node", help="node id (a unique prefix is enough; see `vidar cluster status`)")
+        if name == "status":
+            c2.add_argument("--json", action="store_true")
+        c2.add_argument("--namespace", default="vidar")
+    for c2 in (run,) + tuple(csub.choices[n] for n in ("status", "drain", "down")):
+        c2.add_argument("--address", default=None, help="Ray head HOST:PORT (default: RAY_ADDRESS or this machine)")
+    cl.set_defaults(func=cmd_cluster)
     args = p.parse_args(argv)
     _setup_logging(args.log_level)
     try:

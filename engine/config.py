@@ -272,6 +272,103 @@ class MetricsConfig(_Strict):
     """Port of the metrics endpoint (/metrics)."""
 
 
+class ViewConfig(_Strict):
+    enabled: bool = True
+    """Serve the live view (a web page of the streams with their results, and a JSON API)."""
+    host: str = "127.0.0.1"
+    """Bind address. Any address but loopback needs `token` (refused at start otherwise)."""
+    port: int = Field(8080, ge=0, le=65535)
+    """Port of the live view (0: the OS picks one; the URL is printed at start)."""
+    token: Optional[str] = Field(None, min_length=16)
+    """Access token: requests carry it as `Authorization: Bearer <token>` or as the cookie set by the
+    login URL printed at start. `auto`: a random one per run. None: no token (loopback only)."""
+    fps: float = Field(10.0, gt=0, le=60)
+    """Frames per second sent to the page per watched stream (the tap skips the others)."""
+    max_side: int = Field(640, ge=64, le=4096)
+    """Frames are downscaled so their longer side is at most this many pixels before JPEG encoding."""
+    jpeg_quality: int = Field(75, ge=10, le=100)
+    """JPEG quality of the view's frames."""
+
+    @field_validator("token", mode="before")
+    @classmethod
+    def _auto_token(cls, v: Any) -> Any:
+        if v == "auto":  # a fresh token per run, printed with the login URL at start
+            import secrets
+            return secrets.token_urlsafe(24)
+        return v
+
+    @model_validator(mode="after")
+    def _safe_bind(self) -> "ViewConfig":
+        if self.enabled and not self.token and not _is_loopback(self.host):
+            raise ValueError(f"view.host: {self.host!r} is not a loopback address and view.token is not set: "
+                             "anyone who can reach it could watch the streams and control the engine; set "
+                             "view.token (16+ characters, or `auto`) or bind 127.0.0.1")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: may resolve to anything
+        return False
+
+
+class ClusterPublishConfig(_Strict):
+    endpoint: str = "tcp://127.0.0.1:5556"
+    """The head's results endpoint (a ZeroMQ XSUB -> XPUB proxy over every engine): subscribers connect
+    here as to a single engine, and keep receiving when streams move."""
+    hwm: int = Field(100_000, ge=1)
+    """The proxy's per-subscriber queue (messages); beyond it messages for that subscriber are dropped
+    and counted (vidar_cluster_proxy_dropped_total)."""
+
+
+class ClusterControlConfig(_Strict):
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """The head's control socket: the single-node ops plus list_engines, move_stream, drain_node."""
+
+
+class ClusterConfig(_Strict):
+    """`vidar cluster run`: the same engine config across a Ray cluster (ignored by `vidar run`)."""
+
+    address: Optional[str] = None
+    """Ray address (HOST:PORT); None: RAY_ADDRESS, else the cluster started on this machine."""
+    namespace: str = "vidar"
+    """Ray namespace of the controller and the engines (one vidar cluster per namespace)."""
+    engines_per_node: int = Field(1, ge=1, le=64)
+    """Engines per node that has `engine_gpus` GPUs free (one per GPU node by default)."""
+    engine_gpus: float = Field(1.0, ge=0)
+    """GPUs each engine actor reserves (Ray's num_gpus)."""
+    engine_cpus: float = Field(1.0, ge=0)
+    """CPUs each engine actor reserves (Ray's num_cpus; its threads use what the node has)."""
+    heartbeat_s: float = Field(0.5, gt=0)
+    """The controller asks every engine for its report this often."""
+    heartbeat_misses: int = Field(3, ge=1)
+    """An engine that does not answer this many heartbeats in a row is fenced (killed) and its streams
+    re-placed; an engine Ray reports dead is fenced at once."""
+    stream_fps: float = Field(30.0, gt=0)
+    """Frame rate assumed for a new stream's cost when its URL does not say it (synthetic://...&fps=N does)."""
+    max_load: float = Field(0.9, gt=0)
+    """A stream goes only to an engine whose predicted busiest pool stays under this share (above 1:
+    overcommit, the engines' own freshest-first and ladder absorb the excess)."""
+    pin: dict[str, str] = Field(default_factory=dict)
+    """Stream id -> node label `key=value` (Ray's `ray start --labels`): the stream runs only there."""
+    publish: ClusterPublishConfig = Field(default_factory=ClusterPublishConfig)
+    """Where subscribers connect."""
+    control: ClusterControlConfig = Field(default_factory=ClusterControlConfig)
+    """Where control clients connect."""
+
+    @field_validator("pin")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        for sid, label in v.items():
+            if label.count("=") != 1 or not all(label.split("=")):
+                raise ValueError(f"cluster.pin.{sid}: {label!r} is not a node label `key=value`")
+        return v
+
+
 class StatusConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)
     """Seconds between status lines (live) or progress lines (offline)."""
@@ -306,6 +403,10 @@ class EngineConfig(_Strict):
     """CURVE encryption and client allow-list for the ZeroMQ sockets."""
     status: StatusConfig = Field(default_factory=StatusConfig)
     """Console status line."""
+    view: ViewConfig = Field(default_factory=ViewConfig)
+    """Live view in the browser and its JSON API."""
+    cluster: Optional[ClusterConfig] = None
+    """`vidar cluster run` only: placement across a Ray cluster (`vidar run` ignores it)."""
     shutdown_timeout_s: float = Field(5.0, gt=0)
     """On SIGINT/SIGTERM: drain in-flight work for at most this long, then abort."""
     malloc_arenas: int = Field(2, ge=0, le=1024)
@@ -340,6 +441,13 @@ class EngineConfig(_Strict):
             if "sam2" not in (streams[o.stream].pools or pools):
                 raise ValueError(f"objects.{i}: objects are SAM 2 prompts: configure models.sam2 and let stream "
                                  f"{o.stream!r} feed it (streams[].pools)")
+        if self.security.curve and self.view.enabled and not self.view.token:
+            raise ValueError("security.curve is on but the live view has no token: the view would give anyone on "
+                             "this machine the control CURVE guards; set view.token (or auto) or view.enabled: false")
+        if self.security.curve and self.cluster is not None:
+            raise ValueError("security.curve with a cluster: section is not supported yet (the results proxy "
+                             "and the head's control socket have no CURVE); run the cluster on a private network "
+                             "without it, or run single-node")
         if self.ring.min_slots > self.ring.max_slots:
             raise ValueError(
                 f"ring.min_slots ({self.ring.min_slots}) > ring.max_slots ({self.ring.max_slots}): raise max_slots")

@@ -4,7 +4,7 @@ ZeroMQ REP on `control.endpoint` (default tcp://127.0.0.1:5557), served by the a
 plane. Requests and replies are msgpack maps; every request gets exactly one reply:
     {"op": "list"}
     {"op": "add_stream", "stream": {"id": "cam2", "url": "rtsp://...", "mode": "live"}}
-    {"op": "remove_stream", "stream": "cam2"}
+    {"op": "remove_stream", "stream": "cam2"}                                     # optional "reason": the eos's
     {"op": "add_object", "stream": "cam1", "id": 3, "box": [x0, y0, x1, y1]}      # or "points": [[x, y, 1], ...]
     {"op": "remove_object", "stream": "cam1", "id": 3}
     {"op": "reset_stream", "stream": "cam1"}                                      # forget its objects
@@ -77,7 +77,10 @@ def handle(engine, req: Any, timeout: float = 10.0) -> dict:
             log.info("stream %s added (%s)", scfg.id, redact_url(scfg.url))
             return {"ok": True, "stream": scfg.id}
         if op == "remove_stream":
-            _wait(engine.core.call(engine.table.remove, need(req, "stream", str)), timeout, op)
+            why = req.get("reason", "removed")  # the eos's reason (a cluster moving the stream says so)
+            if not isinstance(why, str) or not why:
+                raise ControlError("remove_stream: 'reason' must be a non-empty string")
+            _wait(engine.core.call(engine.table.remove, need(req, "stream", str), why[:200]), timeout, op)
             return {"ok": True}
         pool = engine.pool_serving(op)
         if pool is not None:

@@ -47,6 +47,7 @@ class Engine:
         self.core: Optional[EngineCore] = None
         self.curve = None  # CURVE authenticator, when security.curve is on
         self.control_socket = None  # bound at start when control.enabled (served by the runtime)
+        self.view = None  # the live view's hub when view.enabled (its web server runs in the runtime)
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -76,6 +77,10 @@ class Engine:
                                        ctx=self._ctx)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
+        if cfg.view.enabled:
+            from .view.hub import ViewHub
+            self.view = ViewHub(cfg.view)
+            self.publisher.listener = self.view.on_message
         configured = cfg.models.configured()
         cores = usable_cores()
         live = not cfg.streams or any(s.mode == "live" for s in cfg.streams)
@@ -95,7 +100,7 @@ class Engine:
             if not self.publisher.wait_subscribers(cfg.publish.min_subscribers, cfg.publish.wait_subscribers_s):
                 raise EngineDeadError(f"publish.min_subscribers={cfg.publish.min_subscribers}: no subscriber "
                                       f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
-        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake)
+        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view)
         self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s)
         for pool in self.pools.values():
             pool.start()
@@ -157,6 +162,8 @@ class Engine:
                 out["reconnects"][entry.id] = entry.runner.reconnects
         if self.publisher is not None:
             out["events_dropped"] = dict(self.publisher.stats.events_dropped)
+        if self.view is not None:
+            out["view_frames"] = self.view.counters()
         for pool in self.pools.values():
             if pool.spec.processor is not None:
                 for name, values in pool.spec.processor.counters().items():
@@ -205,6 +212,8 @@ class Engine:
             self.publisher.close(timeout=max(1.0, t_end - time.monotonic()))
         if self.metrics:
             self.metrics.close()
+        if self.view is not None:
+            self.view.close()
         if self.control_socket is not None:
             self.control_socket.close(0)
         if self.curve is not None:

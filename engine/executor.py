@@ -115,6 +115,7 @@ class WorkerThread:
                 self.worker.set_level(batch.level)
                 self._level = batch.level
             inputs = self.worker.prepare(batch.frames)
+            _tap(batch.frames)
         except Exception as err:
             res.fail_reason, res.error = FailReason.PREPROCESS_ERROR, err
             return res
@@ -130,3 +131,15 @@ class WorkerThread:
             res.fail_reason, res.error = FailReason.MODEL_ERROR, err
         res.elapsed = self._clock() - t0
         return res
+
+
+def _tap(frames) -> None:
+    """Offer the frames to the live view's tap (a no-op unless someone watches their stream). A tap
+    error is the view's problem: logged, never the frame's."""
+    for fv in frames:
+        tap = fv.ring.tap
+        if tap is not None:
+            try:
+                tap(fv.meta, fv.pixels)
+            except Exception:
+                log.exception("view tap failed on %s (the frame goes on)", fv)

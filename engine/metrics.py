@@ -54,6 +54,14 @@ class _AccountingCollector:
             for stream, n in counters.get(name, {}).items():
                 fam.add_metric([stream], n)
             yield fam
+        view = CounterMetricFamily("vidar_view_frames", "Live view: frames its tap took, by outcome (shown; busy: "
+                                   "replaced before encoding; unmatched: no result came; superseded: a newer frame "
+                                   "was shown; results_overflow: results the view could not keep up with)",
+                                   labels=["stream", "outcome"])
+        for outcome, per_stream in counters.get("view_frames", {}).items():
+            for stream, n in per_stream.items():
+                view.add_metric([stream, outcome], n)
+        yield view
 
 
 class _QosCollector:

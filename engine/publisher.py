@@ -122,6 +122,7 @@ class Publisher:
         self.stats = PublisherStats()
         self._evict_logged: dict[str, float] = {}
         self._on_publish_latency = on_publish_latency
+        self.listener: Optional[Callable[[dict], None]] = None  # the live view: each message sent, as a dict
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
@@ -279,6 +280,7 @@ class Publisher:
                     box.events -= 1
                     box.pause = RETRY_MIN_S
                 self.stats.events += 1
+                self._listen(msg)
                 if item.on_sent:
                     item.on_sent()
             elif not self._serve_result(box, item, now):
@@ -295,6 +297,7 @@ class Publisher:
             self._finish(box, item, lambda: item.acct.publish(meta.stream, msg["latency_ms"]))
             self.stats.sent += 1
             self._on_publish_latency(time.monotonic() - item.t_done)
+            self._listen(msg)
             return True
         if meta.live:  # a full subscriber: a live result is not worth waiting for
             self.stats.hwm_drops += 1
@@ -302,6 +305,13 @@ class Publisher:
             return True
         self._park(box, now)  # offline: keep it, retry later; other streams go on
         return False
+
+    def _listen(self, msg: dict) -> None:
+        if self.listener is not None:
+            try:
+                self.listener(msg)
+            except Exception:  # the view's bug must not stop publishing
+                log.exception("publisher listener failed")
 
     def _finish(self, box: _Outbox, item: _Result, terminal: Callable[[], None]) -> None:
         with item.acct.lock, self._cond:

@@ -99,6 +99,11 @@ class PoolQos:
             parts.append(self.levels[level])
         return ", ".join(parts)
 
+    def busy(self) -> tuple[float, float]:
+        """(worker-seconds busy, worker-seconds available) since the pool started: the busy share of an
+        interval is the ratio of two readings' differences (the cluster's placement reads it)."""
+        return self._busy_s, self._cap_s
+
     def state(self) -> dict:
         """For metrics and the status line."""
         if self.ladder is None:

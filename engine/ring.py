@@ -93,6 +93,9 @@ class FrameRing:
         self._limit = 0
         self.overwrites = 0
         self.reallocations = 0
+        # The live view's tap (engine/view/hub.py): offered each frame a worker has built its input
+        # from, before its slot is freed. None when the view is off.
+        self.tap: Optional[Callable[[FrameMeta, torch.Tensor], None]] = None
 
     # -- producer side -------------------------------------------------------------------
     def _allocate(self, h: int, w: int) -> None:

@@ -82,6 +82,18 @@ async def _main(engine: Engine) -> int:
     except VidarError as err:
         log.error("%s", err)
         return EXIT_DEAD
+    view = None
+    if engine.view is not None:
+        from .view.server import ViewServer
+        view = ViewServer(engine, engine.cfg.view)
+        try:
+            await view.start()
+        except ConfigError as err:
+            print(f"vidar: {err}", file=sys.stderr, flush=True)
+            await loop.run_in_executor(None, lambda: engine.stop(drain=False))
+            return EXIT_CONFIG
+        print(f"vidar: live view on {view.url}" + (f" (log in: {view.login_url})" if view.login_url else ""),
+              flush=True)
     control = None
     if engine.control_socket is not None:
         from .control import serve
@@ -113,6 +125,8 @@ async def _main(engine: Engine) -> int:
         except (asyncio.TimeoutError, Exception) as err:
             if not isinstance(err, asyncio.TimeoutError):
                 log.error("control socket: %s: %s", type(err).__name__, err)
+    if view is not None:
+        await view.stop()
     await loop.run_in_executor(None, lambda: engine.stop(drain=code == EXIT_OK))
     status.print()
     if code == EXIT_OK and engine.any_failed():

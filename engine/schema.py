@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 
 SCHEMA_VERSION = 2
-EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected", "degraded", "restored")
+EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected", "degraded", "restored", "relocated")
 
 
 def result_message(kind: str, *, stream: str, seq: int, pts: float, t_capture: float, weights: str,

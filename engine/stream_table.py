@@ -12,6 +12,7 @@ outbox) once its eos has been sent; an add of the same id waits for that.
 
 from __future__ import annotations
 
+import functools
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -60,8 +61,9 @@ class StreamEntry:
 
 class StreamTable:
     def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
-                 emit: Callable[[str, str, str], None], wake: Callable[[], None]):
+                 emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None):
         self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
+        self._view = view  # the live view's hub, or None
         self._entries: dict[str, StreamEntry] = {}
         self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
         self.dead_reason: Optional[str] = None
@@ -109,6 +111,10 @@ class StreamTable:
                                           min_slots=r.min_slots, max_slots=r.max_slots,
                                           max_frame_pixels=r.max_frame_pixels, notify=self._wake,
                                           max_interval=scfg.max_interval)
+            if self._view is not None:
+                entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
+        if self._view is not None:
+            self._view.expect(scfg.id, pools)
         self._entries[scfg.id] = entry
         for name in pools:
             self._pools[name].attach(entry.rings[name])
@@ -129,10 +135,11 @@ class StreamTable:
                                     reconnect_max_s=src.reconnect_max_s, backoff_reset_after_s=src.backoff_reset_after_s)
         entry.runner.start()
 
-    def remove(self, stream: str) -> Future:
+    def remove(self, stream: str, reason: str = "removed") -> Future:
         """Stop a stream: its decoder stops, frames queued in rings and schedulers are dropped
         (stream_removed), frames on workers are dropped by the output stages or were published before,
-        then one eos "removed". The future resolves when that eos is queued."""
+        then one eos with `reason` ("removed"; a cluster moving the stream says "relocated: ..."). The
+        future resolves when that eos is queued."""
         entry = self._entries.get(stream)
         if entry is None or entry.state == "removing":
             fut: Future = Future()
@@ -144,7 +151,7 @@ class StreamTable:
             entry.state = "removing"
             entry.removal.set_result(None)
             return entry.removal
-        entry.state, entry.reason = "removing", "removed"
+        entry.state, entry.reason = "removing", reason
         if entry.runner:
             entry.runner.stop()
         for name in entry.pools:
@@ -183,8 +190,8 @@ class StreamTable:
             entry.failed = True
         if entry.state == "running":
             entry.state = "ended"
-        if entry.reason == "removed":
-            reason = "removed"
+        if entry.state == "removing":
+            reason = entry.reason
         elif self.dead_reason:
             reason = self.dead_reason
         elif runner is not None and runner.end_reason not in ("", "stopped"):  # it ended by itself
@@ -209,6 +216,8 @@ class StreamTable:
         for name in entry.pools:
             self._pools[name].acct.forget(entry.id)
         self._publisher.forget(entry.id)
+        if self._view is not None:
+            self._view.forget(entry.id)
         for scfg, fut in [d for d in self._deferred if d[0].id == entry.id]:
             self._deferred.remove((scfg, fut))
             if not fut.cancelled():  # the caller gave up waiting and was told it failed

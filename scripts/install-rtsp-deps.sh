@@ -15,22 +15,8 @@ have_deps() {
 
 have_deps && exit 0
 
-if [ "$(id -u)" -eq 0 ]; then
-  SUDO=()
-elif command -v sudo >/dev/null 2>&1 && sudo -n true >/dev/null 2>&1; then
-  SUDO=(sudo -n)
-else
-  echo "install-rtsp-deps: need root (or passwordless sudo) to install:" >&2
-  echo "  apt-get install ${PKGS[*]}" >&2
-  exit 1
-fi
-
-if ! { "${SUDO[@]}" apt-get update -qq &&
-       "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-         apt-get install -y -qq --no-install-recommends "${PKGS[@]}"; }; then
-  echo "install-rtsp-deps: apt-get failed; please install: ${PKGS[*]}" >&2
-  exit 1
-fi
+source "$(dirname "$0")/apt-install.sh"
+apt_install install-rtsp-deps "${PKGS[@]}" || exit 1
 
 if ! have_deps; then
   echo "install-rtsp-deps: installed, but GstRtspServer/x264enc still unavailable; check: ${PKGS[*]}" >&2

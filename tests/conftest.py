@@ -68,7 +68,8 @@ def engine_config(streams: list[dict], endpoint: str, **sections):
     tree = {"streams": streams,
             "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4, "device": "cpu"}},
             "publish": {"endpoint": endpoint}, "metrics": {"enabled": False}, "status": {"interval_s": 1},
-            "control": {"enabled": False}}  # engines in tests run without the runtime's control socket
+            "control": {"enabled": False},  # engines in tests run without the runtime's control socket
+            "view": {"enabled": False}}     # nor its live view (tests/test_view*.py turn it on)
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(tree.get(key), dict):
             for k, v in value.items():

@@ -18,7 +18,7 @@ def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
     cfg = {"streams": [{"id": "clip", "url": str(clip), "mode": "offline"}],
            "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "publish": {"endpoint": f"tcp://127.0.0.1:{port}", "min_subscribers": 1},
-           "metrics": {"enabled": False}, "status": {"interval_s": 0.5}, "control": {"enabled": False}}
+           "metrics": {"enabled": False}, "view": {"port": 0}, "status": {"interval_s": 0.5}, "control": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     sub = subprocess.Popen(VIDAR + ["subscribe", f"tcp://127.0.0.1:{port}", "--count", "31", "--timeout", "60"],
@@ -46,9 +46,10 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
     """`make run`'s command, on the shipped demo config, stopped with SIGINT."""
     port = free_port()
     p = subprocess.Popen(VIDAR + ["run", "configs/demo.yaml", "--set", f"publish.endpoint=tcp://127.0.0.1:{port}",
-                                  "--set", "metrics.enabled=false", "--set", "status.interval_s=1", "--set", f"control.endpoint=tcp://127.0.0.1:{free_port()}"],
+                                  "--set", "metrics.enabled=false", "--set", "status.interval_s=1", "--set", f"control.endpoint=tcp://127.0.0.1:{free_port()}",
+                                  "--set", "view.port=0"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    status = []
+    status, view = [], []
     t_end = time.monotonic() + 90
     while len(status) < 2 and time.monotonic() < t_end:
         line = p.stdout.readline()
@@ -56,10 +57,13 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
             break
         if line.startswith("[classify] demo"):
             status.append(line)
+        if line.startswith("vidar: live view on http://127.0.0.1:"):
+            view.append(line)
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
     assert len(status) == 2, (status, err)
+    assert len(view) == 1  # make run says where to watch
     assert "out" in status[1] and "p50" in status[1] and "dropped:" in status[1]
 
 
@@ -88,7 +92,9 @@ def _start_error_cases(tmp_path):
         ("busy control port", {"control": {"enabled": True, "endpoint": f"tcp://127.0.0.1:{busy_port}"}}, {},
          "control.endpoint"),
         ("missing curve key", {"security": {"curve": True, "server_key": str(tmp_path / "none.key_secret"),
-                                            "authorized_clients": str(tmp_path)}}, {}, "security.server_key"),
+                                            "authorized_clients": str(tmp_path)}, "view": {"token": "auto"}}, {},
+         "security.server_key"),
+        ("busy view port", {"view": {"port": busy_port}}, {}, "view.port"),
     ]
     if not torch.cuda.is_available():
         cases.append(("cuda without a gpu", {"models": {"classify": {"device": "cuda"}}}, {}, "models.classify.device"))
@@ -106,7 +112,7 @@ def test_every_start_error_exits_2_with_one_line_naming_the_key(tmp_path):
             cfg = {"streams": [{"id": "s", "url": "synthetic://shapes?size=64x64&fps=10"}],
                    "models": {"classify": {"name": "test_vit", "weights": "random", "device": "cpu"}},
                    "publish": {"endpoint": f"tcp://127.0.0.1:{free_port()}"},
-                   "metrics": {"enabled": False}, "control": {"enabled": False}}
+                   "metrics": {"enabled": False}, "view": {"port": 0}, "control": {"enabled": False}}
             for section, value in patch.items():
                 if section == "models":
                     cfg["models"] = {k: ({**cfg["models"].get(k, {}), **v} if k in cfg["models"] else v)

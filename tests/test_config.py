@@ -39,6 +39,12 @@ def tree(**patch):
     ({"max_streams": 0}, r"max_streams: Input should be greater than or equal to 1"),
     ({"source__backoff_reset_after_s": 0}, r"source\.backoff_reset_after_s: Input should be greater than 0"),
     ({"ring__max_slots": 4}, r"ring\.max_slots \(4\) must exceed models\.classify\.max_batch \(8\)"),
+    ({"security": {"curve": True, "server_key": "k", "authorized_clients": "d"}},
+     r"security\.curve is on but the live view has no token"),
+    ({"security": {"curve": True, "server_key": "k", "authorized_clients": "d"}, "view": {"enabled": False},
+      "cluster": {}}, r"security\.curve with a cluster: section is not supported yet"),
+    ({"cluster": {"pin": {"cam1": "zone"}}}, r"cluster\.pin\.cam1: 'zone' is not a node label"),
+    ({"view": {"host": "0.0.0.0"}}, r"view\.host: '0\.0\.0\.0' is not a loopback address and view\.token is not set"),
 ], ids=lambda v: str(v)[:40])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message):

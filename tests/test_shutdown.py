@@ -22,7 +22,7 @@ def start_engine(tmp_path, streams=3):
     cfg = {"streams": [{"id": f"c{i}", "url": "synthetic://shapes?size=320x240&fps=30"} for i in range(streams)],
            "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "budget": {"latency_ms": 300}, "shutdown_timeout_s": 5,
-           "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False},
+           "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False}, "view": {"port": 0},
            "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))

@@ -1,0 +1,110 @@
+"""One engine per GPU as a Ray actor: today's `Engine`, started with no streams, publishing on its node.
+
+Frames never cross Ray: the engine decodes its own streams. Its publisher binds the node's address
+on a port the OS chooses (reported by `info`), as does its metrics endpoint. The controller drives
+it with `add_stream` / `control` and reads its `report` every heartbeat.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from typing import Optional
+
+from ..config import EngineConfig, build_config
+from ..engine import Engine
+from ..frame import DropReason
+from ..qos import LOAD_DROPS
+
+
+OBJECT_S = 3.0  # per SAM 2 prompt re-added (the controller waits CALL_S for the whole start)
+
+
+def engine_config(tree: dict, node_ip: str) -> EngineConfig:
+    """The user's config for one engine: no streams or objects (the controller places them), no
+    control socket or view (the head has them), publisher and metrics on this node, OS-chosen ports.
+    model_copy skips the check that refuses an engine with no streams and no control socket."""
+    cfg, applied = build_config(copy.deepcopy(tree))  # on_cpu applies per node: this node has a GPU or not
+    publish = cfg.publish.model_copy(update={"endpoint": f"tcp://{node_ip}:*", "min_subscribers": 0})
+    metrics = cfg.metrics.model_copy(update={"host": node_ip, "port": 0})
+    return cfg.model_copy(update={
+        "streams": [], "objects": [], "publish": publish, "metrics": metrics, "cluster": None,
+        "control": cfg.control.model_copy(update={"enabled": False}),
+        "view": cfg.view.model_copy(update={"enabled": False})})
+
+
+class EngineActor:
+    def __init__(self, tree: dict, name: str):
+        import ray
+
+        ctx = ray.get_runtime_context()
+        self.name, self.node_id = name, ctx.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.engine = Engine(engine_config(tree, self.node_ip))
+        self.engine.start()
+        self._last: dict[str, tuple] = {}
+        self.started = time.time()
+
+    def info(self) -> dict:
+        import ray
+        m = self.engine.metrics
+        return {"name": self.name, "node_id": self.node_id, "node_ip": self.node_ip, "pid": os.getpid(),
+                "publish": self.engine.publisher.endpoint, "metrics_port": m.port if m else None,
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "started": self.started}
+
+    def report(self) -> dict:
+        """What the controller needs each heartbeat: streams with their counts, and load per pool."""
+        eng = self.engine
+        if eng.check_dead():
+            return {"dead": eng.dead_reason}
+        streams = {}
+        described = eng.describe()
+        for sid, d in described.items():
+            counts = {}
+            for name in d["pools"]:
+                s = eng.pools[name].acct.snapshot(sid)
+                counts[name] = {"ingested": s.ingested, "published": s.published, "dropped": s.dropped,
+                                "failed": s.failed, "in_flight": s.in_flight, "p99_ms": _num(s.p99_ms)}
+            streams[sid] = {"state": d["state"], "counts": counts, "objects": d.get("objects", [])}
+        busy, frame_s, drop_share = {}, {}, {}
+        for name, pool in eng.pools.items():
+            b, cap = pool.qos.busy()
+            b0, cap0 = self._last.get(name, (0.0, 0.0))
+            self._last[name] = (b, cap)
+            busy[name] = (b - b0) / (cap - cap0) if cap > cap0 else 0.0
+            measured = pool.scheduler.latency.measured()
+            frame_s[name] = measured.get(1, 0.0) / max(1, len(pool.slots.workers))
+            ing, dropped = pool.acct.totals(list(pool.acct.streams()))
+            offered, d = ing - dropped[DropReason.INTERVAL.value], sum(dropped[r.value] for r in LOAD_DROPS)
+            o0, d0 = self._last.get(name + "/drops", (0, 0))
+            self._last[name + "/drops"] = (offered, d)
+            # a removed stream's counters go with it: a negative difference is no interval to judge
+            drop_share[name] = (d - d0) / (offered - o0) if offered - o0 > 0 and d >= d0 else 0.0
+        return {"streams": streams, "busy": busy, "frame_s": frame_s, "drop_share": drop_share}
+
+    def add_stream(self, scfg: dict, objects: list[dict], relocated: Optional[str] = None) -> dict:
+        """Start a stream (and re-add its SAM 2 objects from their prompts); `relocated`: why it moved
+        here (published as its `relocated` event as soon as it runs)."""
+        eng = self.engine
+        reply = eng.control({"op": "add_stream", "stream": scfg})
+        if not reply["ok"]:
+            return reply
+        if relocated:  # right after the start: the stream's first frame is still being decoded
+            eng.publisher.submit_event(scfg["id"], "relocated", relocated)
+        failed = []
+        for o in objects:
+            r = eng.control({"op": "add_object", "stream": scfg["id"], **o}, timeout=OBJECT_S)
+            if not r["ok"]:
+                failed.append(f"object {o.get('id')}: {r['error']}")
+        return {"ok": True, "stream": scfg["id"], **({"object_errors": failed} if failed else {})}
+
+    def control(self, req: dict) -> dict:
+        return self.engine.control(req)
+
+    def stop(self) -> None:
+        self.engine.stop(drain=False)
+
+
+def _num(x: float) -> Optional[float]:
+    return None if x != x else round(x, 2)

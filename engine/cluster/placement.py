@@ -1,0 +1,90 @@
+"""Where a stream goes: the engine with the most slack that can take its estimated cost. Pure (no Ray),
+so it is tested with tables.
+
+An engine's load is what it measured over its last report interval: per pool, the busy share of its
+workers, raised by the share of frames it dropped for load (a pool that drops is saturated beyond
+what busy time shows), plus the estimated cost of the streams placed on it since that report. A
+stream costs, in each pool it feeds, its frame rate x the pool's time per frame (warm-up batch-1
+time / worker instances). The engine must stay under `max_load` in every pool after the addition.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class EngineLoad:
+    name: str
+    node_id: str
+    labels: dict[str, str] = field(default_factory=dict)
+    busy: dict[str, float] = field(default_factory=dict)     # pool -> busy share, last interval
+    drop_share: dict[str, float] = field(default_factory=dict)  # pool -> load drops / frames offered, last interval
+    frame_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds of pool time per frame
+    placed: list = field(default_factory=list)  # (when, pool, cost) of streams placed lately
+    draining: bool = False
+
+    @property
+    def pending(self) -> dict[str, float]:
+        """pool -> the estimated cost of streams placed lately, whose load the reports do not show yet."""
+        out: dict[str, float] = {}
+        for _, pool, c in self.placed:
+            out[pool] = out.get(pool, 0.0) + c
+        return out
+
+    def settle(self, now: float, settle_s: float) -> None:
+        """Forget placements older than `settle_s`: by then a stream's load is in the measured busy share
+        (clearing them at every report would not do: a stream that is still opening shows no load)."""
+        self.placed = [p for p in self.placed if now - p[0] < settle_s]
+
+    def load(self, pool: str) -> float:
+        return self.busy.get(pool, 0.0) + self.drop_share.get(pool, 0.0) + self.pending.get(pool, 0.0)
+
+
+def stream_fps(url: str, default: float) -> float:
+    """The rate a stream's URL declares (synthetic://...&fps=N), else the configured estimate."""
+    m = re.search(r"[?&]fps=([0-9.]+)", url) if url.startswith("synthetic://") else None
+    return float(m.group(1)) if m else default
+
+
+def cost(engine: EngineLoad, pools: list[str], fps: float) -> dict[str, float]:
+    return {p: fps * engine.frame_s.get(p, 0.0) for p in pools}
+
+
+def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: float, max_load: float,
+           pin: Optional[str] = None) -> tuple[Optional[EngineLoad], str]:
+    """(the engine, "") or (None, why none can take it)."""
+    why = []
+    best, best_load = None, None
+    for e in engines:
+        if e.draining:
+            why.append(f"{e.name} draining")
+            continue
+        if pin is not None:
+            key, _, value = pin.partition("=")
+            if e.labels.get(key) != value:
+                why.append(f"{e.name} lacks label {pin}")
+                continue
+        c = cost(e, pools, fps)
+        after = {p: e.load(p) + c[p] for p in pools}
+        worst = max(after.values(), default=0.0)
+        if worst > max_load:
+            p = max(after, key=after.get)
+            why.append(f"{e.name} {p} load {e.load(p):.2f} + {c[p]:.2f} = {worst:.2f} > {max_load:g}")
+            continue
+        if best is None or worst < best_load:
+            best, best_load = e, worst
+    if best is not None:
+        return best, ""
+    if not engines:
+        return None, f"no engine can take stream {stream!r}: no engine is running (no node with a free GPU?)"
+    return None, (f"no engine can take stream {stream!r} ({fps:g} fps into {pools}): " + "; ".join(why)
+                  + ". Add a node, remove a stream, or raise cluster.max_load")
+
+
+def place(e: EngineLoad, pools: list[str], fps: float, now: float = 0.0) -> None:
+    """Count a stream placed on `e` until the reports show the load it brings (see `settle`)."""
+    for p, c in cost(e, pools, fps).items():
+        e.placed.append((now, p, c))

@@ -1,0 +1,426 @@
+"""The live view's server side: the tap (no cost unwatched, capped, its drops counted, never on the data
+path), frames matched to their results by seq, the JSON API over the control path, and its security.
+The page itself is tested in a real browser in tests/test_view_browser.py."""
+
+import asyncio
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from engine.config import ViewConfig
+from engine.engine import Engine
+from engine.frame import FrameMeta
+from engine.view.hub import ViewHub
+from engine.view.server import ViewThread
+from engine.workers.null import NullWorker
+from tests.conftest import engine_config, free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "t0ken-for-the-tests-0123"
+
+
+# -- the hub alone: matching by seq ---------------------------------------------------------------
+def _meta(seq, w=32, h=24):
+    return FrameMeta("cam", seq, seq / 30, time.time(), height=h, width=w)
+
+
+def _wait(cond, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+@pytest.fixture
+def hub():
+    h = ViewHub(ViewConfig().model_copy(update={"fps": 1e9}))  # no cap: the tests offer frames at will
+    yield h
+    h.close()
+
+
+def _frame(seq):
+    return torch.full((24, 32, 3), seq % 256, dtype=torch.uint8)
+
+
+def test_unwatched_stream_costs_nothing(hub, monkeypatch):
+    copies = []
+    hub.expect("cam", [])  # the engine runs it; nobody watches
+    monkeypatch.setattr(np, "copyto", lambda *a, **k: copies.append(1))
+    for seq in range(20):
+        hub.capture(_meta(seq), _frame(seq))
+        hub.on_message({"type": "classify", "stream": "cam", "seq": seq})
+    assert copies == [] and hub.shown("cam") == (0, None, {}) and hub.counters()["shown"] == {}
+
+
+def test_a_frame_is_shown_only_with_the_results_of_the_same_seq(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    hub.capture(_meta(10), _frame(10))
+    hub.capture(_meta(20), _frame(20))
+    assert _wait(lambda: len(hub._streams["cam"].frames) == 2)
+    assert hub.shown("cam")[1] is None  # no results yet: nothing to show
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 10, "topk": [[1, "a", 0.9]]})
+    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    _, frame, results = hub.shown("cam")
+    assert frame.seq == 10 and results["classify"]["seq"] == 10
+    # results for a frame the tap did not take are never put on a held frame
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 15})
+    time.sleep(0.1)
+    _, frame, results = hub.shown("cam")
+    assert frame.seq == 10 and results["classify"]["seq"] == 10
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 20})
+    assert _wait(lambda: hub.shown("cam")[1].seq == 20)
+    _, frame, results = hub.shown("cam")
+    assert results["classify"]["seq"] == 20
+    jpeg = np.frombuffer(frame.jpeg, np.uint8)
+    import cv2
+    img = cv2.imdecode(jpeg, cv2.IMREAD_COLOR)
+    assert img.shape == (24, 32, 3) and abs(int(img.mean()) - 20) <= 3  # frame 20's pixels, not frame 10's
+
+
+def test_a_second_pool_result_joins_the_frame_on_show(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    hub.capture(_meta(5), _frame(5))
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 5})
+    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    v0 = hub.shown("cam")[0]
+    hub.on_message({"type": "sam2", "stream": "cam", "seq": 5, "objects": []})
+    assert _wait(lambda: hub.shown("cam")[0] > v0)
+    assert set(hub.shown("cam")[2]) == {"classify", "sam2"}
+
+
+def test_a_frame_waits_for_every_pool_until_its_deadline(hub):
+    """A stream feeding classify (fast) and SAM 2 (slow): its frames wait for both results, so the masks are
+    seen; a frame SAM 2 never answers is shown with what it has once its deadline has passed."""
+    hub.expect("cam", ["classify", "sam2"])
+    hub.watch("cam", +1)
+    now = time.monotonic()
+    m1 = _meta(1)
+    m1.deadline = now + 0.3
+    hub.capture(m1, _frame(1), pool="sam2")
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 1})
+    time.sleep(0.15)
+    assert hub.shown("cam")[1] is None  # classify alone: SAM 2's result may still come
+    hub.on_message({"type": "sam2", "stream": "cam", "seq": 1, "objects": [{"id": 1}]})
+    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert set(hub.shown("cam")[2]) == {"classify", "sam2"}
+    m2 = _meta(2)
+    m2.deadline = time.monotonic() + 0.3
+    hub.capture(m2, _frame(2), pool="classify")
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 2})
+    time.sleep(0.1)
+    assert hub.shown("cam")[1].seq == 1
+    assert hub.state("cam")["behind_frames"] == 1
+    assert _wait(lambda: hub.shown("cam")[1].seq == 2)  # past its deadline: no SAM 2 result can come now
+    assert set(hub.shown("cam")[2]) == {"classify"}
+
+
+def test_a_page_that_comes_back_never_gets_a_stale_frame(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    hub.capture(_meta(3), _frame(3))
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 3})
+    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    hub.watch("cam", -1)
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    assert hub.shown("cam")[1] is None and "shown_seq" not in hub.state("cam")
+
+
+def test_a_re_added_stream_never_meets_results_of_its_previous_run(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 4, "run": "old"})
+    time.sleep(0.1)
+    hub.expect("cam", [])  # removed and added again under the same id, while a page watches
+    hub.capture(_meta(4), _frame(4))
+    time.sleep(0.2)
+    assert hub.shown("cam")[1] is None  # the old run's result for seq 4 is gone
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 4, "run": "new"})
+    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert hub.shown("cam")[2]["classify"]["run"] == "new"
+
+
+def test_names_of_no_stream_hold_nothing(hub):
+    for i in range(100):
+        hub.watch(f"nope{i}", +1)
+    assert hub._streams == {} and not hub.known("nope0")
+
+
+def test_a_third_capture_with_both_buffers_busy_is_skipped_and_counted(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    hub.capture(_meta(1), _frame(1))
+    st = hub._streams["cam"]
+    assert _wait(lambda: not st.pending)
+    with hub._lock:
+        st.free.clear()  # one buffer at the encoder, the other being filled by another pool's worker
+    before = st.counts["busy"]
+    hub.capture(_meta(2), _frame(2), pool="sam2")
+    assert st.counts["busy"] == before + 1
+
+
+def test_frames_without_results_end_counted(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    for seq in range(12):
+        hub.capture(_meta(seq), _frame(seq))
+        time.sleep(0.02)
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 11})
+    assert _wait(lambda: hub.counters()["shown"].get("cam") == 1)
+    c = {k: v.get("cam", 0) for k, v in hub.counters().items()}
+    assert c["shown"] == 1 and c["unmatched"] + c["busy"] == 11, c  # every frame the tap took ended once
+
+
+def test_a_slow_encoder_replaces_frames_and_counts_them(hub, monkeypatch):
+    orig = hub._encode
+    monkeypatch.setattr(hub, "_encode", lambda *a: (time.sleep(0.2), orig(*a))[1])
+    hub.expect("cam", [])
+    hub.watch("cam", +1)
+    t0 = time.monotonic()
+    for seq in range(30):
+        hub.capture(_meta(seq), _frame(seq))
+    assert time.monotonic() - t0 < 0.2  # the caller (a worker) never waited for the encoder
+    assert hub.counters()["busy"]["cam"] >= 25
+
+
+def test_the_tap_is_capped_at_view_fps():
+    h = ViewHub(ViewConfig(fps=5))
+    try:
+        h.expect("cam", [])
+        h.watch("cam", +1)
+        t0, seq = time.monotonic(), 0
+        while time.monotonic() - t0 < 1.0:
+            h.capture(_meta(seq), _frame(seq))
+            seq += 1
+            time.sleep(0.002)
+        time.sleep(0.2)  # the encoder takes what is pending
+        st = h._streams["cam"]
+        taken = st.counts["busy"] + st.counts["unmatched"] + len(st.frames) + len(st.pending)
+        assert seq > 100 and 5 <= taken <= 7, (seq, taken)  # 5 a second (+1: the first is taken at once)
+    finally:
+        h.close()
+
+
+# -- the server with an engine ------------------------------------------------------------------------
+def _view_engine(endpoint, streams, **view):
+    cfg = engine_config(streams, endpoint, budget={"latency_ms": 2000},
+                        view={"enabled": True, "port": 0, **view})
+    eng = Engine(cfg, workers={"classify": [NullWorker(), NullWorker()]})
+    eng.start()
+    return eng, ViewThread(eng)
+
+
+@pytest.fixture
+def viewed(endpoint):
+    eng, view = _view_engine(endpoint, [{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}])
+    yield eng, view
+    view.close()
+    eng.stop()
+
+
+def http(url, method="GET", body=None, headers=None):
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    h = {"Content-Type": "application/json"} if body is not None else {}
+    req = urllib.request.Request(url, data=data, method=method, headers={**h, **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=15) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+def watch(url, streams, seconds, headers=None):
+    """A page's websocket watching `streams` for `seconds`: the states and frame headers it got."""
+    import aiohttp
+
+    async def run():
+        states, frames = [], []
+        async with aiohttp.ClientSession(headers=headers) as s, s.ws_connect(url + "ws") as ws:
+            await ws.send_str(json.dumps({"watch": streams}))
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                try:
+                    m = await ws.receive(timeout=max(0.01, end - time.monotonic()))
+                except asyncio.TimeoutError:
+                    break
+                if m.type == aiohttp.WSMsgType.TEXT:
+                    states.append(json.loads(m.data))
+                elif m.type == aiohttp.WSMsgType.BINARY:
+                    n = struct.unpack(">I", m.data[:4])[0]
+                    frames.append((json.loads(m.data[4:4 + n]), m.data[4 + n:]))
+                else:
+                    break
+        return states, frames
+    return asyncio.run(run())
+
+
+def test_api_lists_adds_and_removes_streams_through_the_control_path(viewed):
+    eng, view = viewed
+    assert _wait(lambda: json.loads(http(view.url + "api/streams")[1])["streams"]["cam1"]["state"] == "running")
+    status, body = http(view.url + "api/streams", "POST", {"id": "cam2", "url": "synthetic://shapes?size=64x48"})
+    assert (status, json.loads(body)) == (200, {"ok": True, "stream": "cam2"})
+    assert "cam2" in eng.live_streams()
+    status, body = http(view.url + "api/streams/cam2")
+    assert status == 200 and json.loads(body)["stream"]["url"].startswith("synthetic://")
+    status, body = http(view.url + "api/streams", "POST", {"id": "cam2", "url": "synthetic://shapes"})
+    assert status == 400 and "already running" in json.loads(body)["error"]  # the control socket's own check
+    status, body = http(view.url + "api/streams", "POST", {"id": "cam3"})
+    assert status == 400 and "stream.url" in json.loads(body)["error"]
+    assert http(view.url + "api/streams/cam2", "DELETE") == (200, '{"ok": true}')
+    assert _wait(lambda: "cam2" not in eng.live_streams())
+    status, body = http(view.url + "api/streams/cam1/objects", "POST", {"id": 1, "box": [0, 0, 10, 10]})
+    assert status == 400 and "needs the sam2 pool" in json.loads(body)["error"]
+    status, body = http(view.url + "api/streams/nope")
+    assert status == 404 and "unknown stream 'nope'" in body
+
+
+@pytest.mark.parametrize("method, path, body, headers, status, error", [
+    ("POST", "api/streams", b"id=x", {"Content-Type": "application/x-www-form-urlencoded"}, 415, "Content-Type: application/json"),
+    ("POST", "api/streams", b"{not json", {"Content-Type": "application/json"}, 400, "not valid JSON"),
+    ("POST", "api/streams", {"id": "x", "url": "synthetic://shapes"}, {"Origin": "http://evil.example"}, 403, "cross-origin"),
+    ("GET", "api/streams", None, {"Host": "evil.example:8080"}, 403, "not a loopback name"),
+    ("GET", "ws", None, {"Origin": "http://evil.example"}, 403, "cross-origin"),  # a foreign page's websocket
+    ("DELETE", "api/streams/cam1/objects/abc", None, {}, 400, "not a number"),
+])
+def test_api_refuses_bad_and_foreign_requests(viewed, method, path, body, headers, status, error):
+    eng, view = viewed
+    got, text = http(view.url + path, method, body, headers)
+    assert got == status and error in text, (got, text)
+    assert eng.live_streams() == ["cam1"]
+
+
+def test_the_page_gets_frames_with_their_own_results_and_the_state(viewed):
+    eng, view = viewed
+    states, frames = watch(view.url, ["cam1"], 3.0)
+    assert len(frames) >= 5
+    for head, jpeg in frames:
+        assert head["results"]["classify"]["seq"] == head["seq"] and jpeg[:2] == b"\xff\xd8"
+        assert (head["width"], head["height"]) == (96, 64)
+    seqs = [h["seq"] for h, _ in frames]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+    st = states[-1]["streams"]["cam1"]
+    assert st["state"] == "running" and st["pools"]["classify"]["fps_in"] > 10
+    hist = st["pools"]["classify"]["history"]
+    assert len(hist) >= 2 and states[-1]["budget_ms"] == 2000
+    assert all(p50 is not None and p99 >= p50 for _, p50, p99 in hist[1:])  # each point: the results of its second
+    # 30 fps in, the view capped at 10: the page got about 10 a second
+    assert len(frames) <= 3.0 * 10 + 3
+
+
+def test_nobody_watching_means_no_tap_work(viewed):
+    eng, view = viewed
+    time.sleep(1.0)
+    assert all(not v for v in eng.view.counters().values())
+    watch(view.url, ["cam1"], 1.5)
+    shown = eng.view.counters()["shown"]["cam1"]
+    assert shown >= 3
+    from prometheus_client import generate_latest
+    metrics = generate_latest(eng.metrics.registry).decode()
+    assert f'vidar_view_frames_total{{outcome="shown",stream="cam1"}} {float(shown)}' in metrics
+    time.sleep(1.0)  # the page went away: the tap stops
+    assert eng.view.counters()["shown"]["cam1"] == shown and not eng.view._streams["cam1"].free
+
+
+def test_a_slow_view_never_slows_the_data_path(viewed, monkeypatch):
+    eng, view = viewed
+    orig = eng.view._encode
+    monkeypatch.setattr(eng.view, "_encode", lambda *a: (time.sleep(0.5), orig(*a))[1])
+    before = eng.pools["classify"].acct.snapshot("cam1")
+    watch(view.url, ["cam1"], 2.5)
+    after = eng.pools["classify"].acct.snapshot("cam1")
+    ingested, published = after.ingested - before.ingested, after.published - before.published
+    assert ingested > 40 and published >= 0.9 * ingested, (ingested, published)
+    assert after.dropped == before.dropped  # no frame of the stream was lost to the view
+    assert eng.view.counters()["busy"]["cam1"] >= 5
+
+
+def test_stream_credentials_never_reach_the_page(endpoint):
+    secret = "hunter2secret"
+    eng, view = _view_engine(endpoint, [{"id": "cam1", "url": f"rtsp://admin:{secret}@127.0.0.1:{free_port()}/x"}])
+    try:
+        _wait(lambda: eng.streams["cam1"].runner.state == "reconnecting")
+        states, _ = watch(view.url, ["cam1"], 1.5)
+        _, listing = http(view.url + "api/streams")
+        text = json.dumps(states) + listing
+        assert "cam1" in text and "admin" not in text and secret not in text
+    finally:
+        view.close()
+        eng.stop()
+
+
+def test_a_token_guards_the_page_the_api_and_the_websocket(endpoint):
+    eng, view = _view_engine(endpoint, [{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], token=TOKEN)
+    try:
+        assert http(view.url + "api/streams")[0] == 401
+        assert http(view.url)[0] == 401
+        assert http(view.url + "api/streams", headers={"Authorization": "Bearer wrong-token-xxxxxxx"})[0] == 401
+        assert http(view.url + "api/streams", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
+        assert http(view.url + "login?token=nope")[0] == 401
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor())
+        with opener.open(view.server.login_url, timeout=10) as r:  # sets the cookie, redirects to the page
+            assert r.status == 200 and r.url == view.url
+        with opener.open(view.url + "api/streams", timeout=10) as r:
+            assert json.loads(r.read())["ok"]
+        with pytest.raises(Exception, match="401"):
+            watch(view.url, ["cam1"], 0.5)
+        _, frames = watch(view.url, ["cam1"], 1.5, headers={"Authorization": f"Bearer {TOKEN}"})
+        assert frames
+    finally:
+        view.close()
+        eng.stop()
+
+
+@pytest.mark.parametrize("host, token, ok", [
+    ("127.0.0.1", None, True), ("localhost", None, True), ("::1", None, True),
+    ("0.0.0.0", None, False), ("192.168.1.10", None, False), ("camera-host", None, False),
+    ("0.0.0.0", TOKEN, True), ("0.0.0.0", "short", False),
+])
+def test_only_loopback_may_go_without_a_token(host, token, ok):
+    if ok:
+        ViewConfig(host=host, token=token)
+    else:
+        with pytest.raises(ValueError, match="view.token|at least 16"):
+            ViewConfig(host=host, token=token)
+
+
+def test_auto_token_is_fresh_and_long():
+    a, b = ViewConfig(token="auto").token, ViewConfig(token="auto").token
+    assert a != b and len(a) >= 24
+
+
+def test_vidar_run_refuses_a_public_view_without_token(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("streams: [{id: a, url: 'synthetic://shapes'}]\nview: {host: 0.0.0.0}\n")
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(cfg)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "view.host" in r.stderr and "view.token" in r.stderr
+
+
+def test_a_busy_view_port_is_a_configuration_error(endpoint):
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
+                        view={"enabled": True, "port": busy.getsockname()[1]})
+    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng.start()
+    try:
+        from engine.errors import ConfigError
+        with pytest.raises(ConfigError, match="view.port: cannot serve"):
+            ViewThread(eng)
+    finally:
+        eng.stop()
+        busy.close()
