@@ -51,7 +51,9 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     status, view = [], []
     t_end = time.monotonic() + 90
-    while len(status) < 2 and time.monotonic() < t_end:
+    # until a line shows published results: on a loaded machine the demo's 150 ms budget drops its first
+    # frames, until the degradation ladder samples the stream down to what fits
+    while not (len(status) >= 2 and "p50" in status[-1]) and time.monotonic() < t_end:
         line = p.stdout.readline()
         if not line:
             break
@@ -62,9 +64,8 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
-    assert len(status) == 2, (status, err)
-    assert len(view) == 1  # make run says where to watch
-    assert "out" in status[1] and "p50" in status[1] and "dropped:" in status[1]
+    assert len(status) >= 2 and len(view) == 1, (status, err)  # make run says where to watch
+    assert "out" in status[-1] and "p50" in status[-1] and "dropped:" in status[-1], status
 
 
 def _start_error_cases(tmp_path):

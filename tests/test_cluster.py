@@ -21,7 +21,9 @@ import zmq
 from engine.cluster.placement import EngineLoad, choose, place, stream_fps
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.timeout(300)
+# generous: the module's first test includes starting the cluster (3 Ray nodes, the controller, 2 engines
+# loading their models), which took ~30 s on an idle 2-core machine and several minutes with both cores busy
+pytestmark = pytest.mark.timeout(900)
 
 
 # -- placement (pure) -----------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ log = logging.getLogger("vidar.cluster")
 
 EXIT_OK, EXIT_STREAM_FAILED, EXIT_CONFIG, EXIT_DEAD = 0, 1, 2, 3
 CALL_S = 30.0
+START_S = 180.0  # the controller's and the engines' processes start (imports, models)
 
 
 def import_ray():
@@ -98,7 +99,11 @@ class ClusterDriver:
             if self.adopted:  # a cluster runs already: its config stays; ours adds what it lacks
                 log.warning("a vidar cluster runs already in namespace %r: adopting it (its engines keep their "
                             "config; `vidar cluster down` stops it)", self.cc.namespace)
-            ray.get(self.controller.ping.remote(), timeout=CALL_S)
+            try:  # a new controller is a new Python process importing the engine: slow on a busy machine
+                ray.get(self.controller.ping.remote(), timeout=START_S)
+            except ray.exceptions.GetTimeoutError:
+                raise ConfigError(f"cluster: the controller did not start within {START_S:g} s "
+                                  "(is the cluster overloaded? `ray status` shows its resources)") from None
             self._wait_engines()
             self._follow()
             for s in self.cfg.streams:
@@ -115,7 +120,7 @@ class ClusterDriver:
             t.start()
             self._threads.append(t)
 
-    def _wait_engines(self, timeout: float = 300.0) -> None:
+    def _wait_engines(self, timeout: float = 2 * START_S) -> None:
         """Until every engine the controller started is up (model loading takes a while)."""
         end = time.monotonic() + timeout
         while True:
@@ -265,5 +270,8 @@ def run(tree: dict, cfg: EngineConfig) -> int:
             for line in driver.status_lines():
                 print(line, flush=True)
             next_status += cfg.status.interval_s
+    if code != EXIT_DEAD:
+        for line in driver.status_lines():  # the final counts, as `vidar run` prints them
+            print(line, flush=True)
     driver.stop()
     return code

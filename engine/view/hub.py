@@ -161,6 +161,8 @@ class ViewHub:
             st.next_due[pool] = now + 1.0 / self.cfg.fps
             st.recent.append(meta.seq)
             if st.shape != arr.shape:  # first frame, or the stream changed size: two buffers of the new size
+                st.counts["busy"] += len(st.pending)
+                st.gen += 1  # a frame of the old size being encoded is let go, its buffer with it
                 st.shape, st.pending = arr.shape, deque()
                 st.free = [np.empty(arr.shape, np.uint8) for _ in range(2)]
             if st.free:
@@ -177,6 +179,7 @@ class ViewHub:
         np.copyto(buf, arr)  # outside the lock: this buffer belongs to this call now
         with self._lock:
             if st.gen != gen:  # the watchers left (or the stream was re-added) while copying
+                st.counts["unmatched"] += 1
                 return
             st.pending.append((meta, buf, gen))
             self._lock.notify()
@@ -264,9 +267,10 @@ class ViewHub:
                     log.exception("view: stream %s: encoding a frame failed", sid)
                     frame = None
                 with self._lock:
-                    if item is not None and item[2] != st.gen:  # dropped meanwhile (page gone, stream re-added)
-                        continue
-                    if item is not None:
+                    if item is not None and item[2] != st.gen:  # let go meanwhile (page gone, size changed)
+                        st.counts["unmatched"] += 1
+                        frame = None
+                    elif item is not None:
                         st.free.append(item[1])
                     changed = self._merge(st, frame, msgs)
                 if changed:
