@@ -17,7 +17,7 @@ WebSocket /ws: the page sends {"watch": [stream ids]}; the server sends a text m
 each watched stream whose shown frame changed, a binary message: 4 bytes (big-endian length n),
 n bytes of JSON {"stream", "seq", "pts", "t_capture", "width", "height", "results": {kind: result}},
 then the JPEG. A slow page gets the newest frame when it is ready again (the ones it missed are
-counted as `skipped`).
+counted in the state's `skipped`).
 
 Security: bound on loopback by default; any other address needs `view.token` (config check, exit 2).
 With a token, every request carries it (`Authorization: Bearer`, or the cookie from the login URL).
@@ -242,6 +242,7 @@ class ViewServer:
             self._history.pop(key, None)
             self._last.pop(key, None)
         return {"type": "state", "t": wall, "budget_ms": eng.cfg.budget.latency_ms, "view_fps": self.cfg.fps,
+                "skipped": self.skipped,
                 "streams": streams}
 
     def _pool_state(self, pool: str, sid: str, now: float, wall: float) -> dict:
