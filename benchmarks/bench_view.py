@@ -113,6 +113,8 @@ def main() -> None:
     modes = ["idle", "ws"] + (["page"] if driver else [])
     rates: dict[str, list[float]] = {m: [] for m in modes}
     shown: dict[str, list[int]] = {m: [] for m in modes}
+    browser_cores: list[float] = []  # Chromium's CPU (all its processes) per page window, in cores
+    frame_sizes: set[str] = set()    # the frame sizes the page's tiles received (they ask for what they show)
     try:
         time.sleep(args.window)  # warm-up: rings full, the allocator settled
         for _ in range(args.rounds):
@@ -124,9 +126,13 @@ def main() -> None:
                     s0, end = _shown(eng), time.monotonic() + 30
                     while _shown(eng) == s0 and time.monotonic() < end:
                         time.sleep(0.1)
-                s0, n0, t0 = _shown(eng), published(eng), time.monotonic()
+                s0, n0, t0, c0 = _shown(eng), published(eng), time.monotonic(), _chromium_cpu()
                 time.sleep(args.window)
                 rate = (published(eng) - n0) / (time.monotonic() - t0)
+                if mode == "page":
+                    browser_cores.append((_chromium_cpu() - c0) / (time.monotonic() - t0))
+                    frame_sizes.update(driver.execute_script(
+                        "return [...document.querySelectorAll('canvas.frame')].map(c => c.dataset.frameSize || '')"))
                 rates[mode].append(rate)
                 shown[mode].append(_shown(eng) - s0)
                 if watcher:
@@ -143,13 +149,28 @@ def main() -> None:
     record = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
               "cores": len(__import__("os").sched_getaffinity(0)), "clip": args.clip, "model": args.model,
               "streams": args.streams, "window_s": args.window, "rates": rates, "view_frames_shown": shown,
-              "median": med, "ratio_vs_idle": {m: med[m] / med["idle"] for m in modes}}
+              "median": med, "ratio_vs_idle": {m: med[m] / med["idle"] for m in modes},
+              "browser_cores": browser_cores, "page_frame_sizes": sorted(frame_sizes)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
     for m in modes:
         print(f"{m:5s} median {med[m]:6.1f} frames/s  x{med[m] / med['idle']:.3f} of idle")
     if "page" not in modes:
         print("chromium/chromedriver not installed: the page window was not measured")
+    else:
+        print(f"chromium used {statistics.median(browser_cores):.2f} cores (median of the page windows); "
+              f"tiles got frames of {sorted(frame_sizes)}")
+
+
+def _chromium_cpu() -> float:
+    """CPU seconds (user + system) of every Chromium process now running (the browser's own and its
+    renderer, GPU and utility processes)."""
+    import psutil
+    total = 0.0
+    for p in psutil.process_iter(["name", "cpu_times"]):
+        if p.info["name"] and p.info["name"].startswith("chromium") and p.info["cpu_times"]:
+            total += p.info["cpu_times"].user + p.info["cpu_times"].system
+    return total
 
 
 def _shown(eng: Engine) -> int:

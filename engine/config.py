@@ -51,6 +51,17 @@ class StreamConfig(_Strict):
             raise ValueError(f"stream id {v!r} must match {STREAM_ID_RE.pattern} (it is used in topics)")
         return v
 
+    @field_validator("url")
+    @classmethod
+    def _scheme_ok(cls, v: str) -> str:
+        """Refused here, when the config is read or a stream is added at run time, rather than when the
+        stream's decoder first opens it (a control request would be answered ok, then the stream fail)."""
+        from streams.base import scheme_error
+        why = scheme_error(v)
+        if why:
+            raise ValueError(why)
+        return v
+
 
 class BudgetConfig(_Strict):
     latency_ms: float = Field(17.0, gt=0)
@@ -285,7 +296,8 @@ class ViewConfig(_Strict):
     fps: float = Field(10.0, gt=0, le=60)
     """Frames per second sent to the page per watched stream (the tap skips the others)."""
     max_side: int = Field(640, ge=64, le=4096)
-    """Frames are downscaled so their longer side is at most this many pixels before JPEG encoding."""
+    """Frames are downscaled so their longer side is at most this many pixels before JPEG encoding (less
+    when every page watching a stream shows it smaller: each page asks for the size it shows)."""
     jpeg_quality: int = Field(75, ge=10, le=100)
     """JPEG quality of the view's frames."""
 

@@ -39,6 +39,7 @@ class EngineCore(OwnThread):
         self._wake = threading.Event()
         self.state = "created"   # running -> draining -> stopped
         self._drain_until: Optional[float] = None
+        self._draining = True  # begin_stop(drain=False): an abort, not a drain that ran out of time
         self.dead: Optional[str] = None
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
 
@@ -129,13 +130,17 @@ class EngineCore(OwnThread):
         self.state = "draining"
         self.table.stop_all("shutdown")
         self._drain_until = self._clock() + (self._shutdown_timeout_s if drain else 0.0)
+        self._draining = drain
 
     def _drained(self, now: float) -> bool:
         if self.table.all_done():
             return True
         if now < self._drain_until:
             return False
-        log.warning("shutdown: drain timeout (%.1f s): dropping what is left", self._shutdown_timeout_s)
+        if self._draining:
+            log.warning("shutdown: drain timeout (%.1f s): dropping what is left", self._shutdown_timeout_s)
+        else:
+            log.info("shutdown without drain: dropping what is left")
         self.end_all(drop=DropReason.SHUTDOWN)
         return True
 

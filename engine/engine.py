@@ -203,8 +203,10 @@ class Engine:
                 log.error("engine core did not stop in time")
         elif self.core is not None:  # the core died or never ran: this thread is the owner now
             self.core.end_all(stop=self.core.dead or "shutdown", drop=DropReason.SHUTDOWN)
-        for pool in self.pools.values():
-            pool.stop(max(0.1, t_end - time.monotonic()))
+        for name, pool in self.pools.items():
+            if not pool.stop(max(0.1, t_end - time.monotonic())):
+                log.warning("pool %s: a worker still runs a batch after shutdown_timeout_s=%g s (the process may "
+                            "abort if it exits now)", name, self.cfg.shutdown_timeout_s)
         for entry in self.table.snapshot() if self.table else []:
             if entry.runner and not entry.runner.join(max(0.1, t_end - time.monotonic())):
                 log.warning("stream %s: decoder thread did not stop in time (blocked in a read?)", entry.id)

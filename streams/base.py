@@ -80,6 +80,7 @@ class Source(ABC):
 #: URL schemes read over the network: open/read timeouts always set, and reconnected when they end
 NETWORK_SCHEMES = ("rtsp", "rtsps", "http", "https", "rtmp", "udp", "srt", "tcp")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+KNOWN_SCHEMES = ("file", "synthetic") + NETWORK_SCHEMES
 
 
 def url_scheme(url: str) -> str:
@@ -106,5 +107,14 @@ def open_source(stream_id: str, url: str, *, open_timeout_s: float = 5.0, read_t
     if scheme == "file":
         path = url[len("file://"):] if _SCHEME.match(url) else url  # file://PATH or a plain path
         return FileSource(stream_id, path, max_frame_pixels=max_frame_pixels)
-    raise SourceOpenError(stream_id, f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}; allowed: a file "
-                                     f"path (or file://), synthetic://, or a network URL: {', '.join(NETWORK_SCHEMES)}")
+    raise SourceOpenError(stream_id, scheme_error(url))
+
+
+def scheme_error(url: str) -> Optional[str]:
+    """Why a URL's scheme is refused (credentials redacted), or None if vidar reads it. The config checks
+    this when it is read or a stream added; open_source checks it again for callers that skip the config."""
+    scheme = url_scheme(url)
+    if scheme in KNOWN_SCHEMES:
+        return None
+    return (f"unsupported URL scheme {scheme!r} in {redact_url(url)!r}; allowed: a file path (or file://), "
+            f"synthetic://, or a network URL: {', '.join(NETWORK_SCHEMES)}")

@@ -46,6 +46,19 @@ def test_choose_table(engines, fps, pin, chosen, why):
     assert (got.name if got else None) == chosen and why in reason
 
 
+def test_an_offline_stream_is_never_refused_for_load():
+    """A file has no deadlines: it goes to the engine with the most slack even when its nominal rate would
+    not fit (a busy machine's warm-up time made a 30 fps clip cost 14 engines); a live one is refused."""
+    engines = [_e("a", 0.95, frame_s=0.5), _e("b", 0.7, frame_s=0.5)]
+    got, why = choose(engines, stream="clip", pools=["classify"], fps=30, max_load=0.9, offline=True)
+    assert got.name == "b" and why == ""
+    got, why = choose(engines, stream="cam", pools=["classify"], fps=30, max_load=0.9)
+    assert got is None and "b classify load 0.70 + 15.00 = 15.70 > 0.9" in why
+    got, why = choose([_e("a", 0.1, draining=True)], stream="clip", pools=["classify"], fps=30, max_load=0.9,
+                      offline=True)
+    assert got is None and "a draining" in why  # draining and labels still apply
+
+
 def test_placed_streams_count_until_the_next_report():
     a, b = _e("a", 0.1), _e("b", 0.15)
     picks = []
@@ -167,6 +180,22 @@ def test_streams_spread_by_slack_and_reach_one_endpoint(driver):
     reply = driver.control({"op": "add_stream", "stream": {"id": "huge", "url": "synthetic://shapes?size=96x64&fps=10000000"}})
     assert not reply["ok"] and "no engine can take stream 'huge'" in reply["error"] and "> 100" in reply["error"]
     assert "huge" not in _streams(driver)
+
+
+def test_the_controller_runs_on_the_head(driver, cluster):
+    """Not on a GPU node, whose death would take it along just when that node's streams must move."""
+    _, c, _ = cluster
+    assert driver.ray.get(driver.controller.node.remote(), timeout=30) == c.head_node.node_id
+
+
+def test_engines_and_the_controller_run_at_normal_priority(driver):
+    """Ray starts its workers at niceness 15 (an increment on the raylet's): an engine there got ~3 % of a
+    core beside two busy processes and took over 6 minutes to load. The actors run at the niceness the
+    cluster was started with: this process's, which started it (same machine: read from their pids)."""
+    pids = [e["pid"] for e in _engines(driver).values()] + [driver.ray.get(driver.controller.ping.remote(), timeout=30)]
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert len(pids) == 3
+    assert [os.getpriority(os.PRIO_PROCESS, p) for p in pids] == [ours] * 3
 
 
 def test_cluster_status_command_lists_engines(driver, cluster):

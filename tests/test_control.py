@@ -64,6 +64,9 @@ def running(endpoint):
     ({"op": "add_stream", "stream": {"id": "x"}}, "add_stream: stream.url: Field required"),
     ({"op": "add_stream", "stream": {"id": "cam1", "url": "synthetic://shapes"}}, "'cam1' is already running"),
     ({"op": "add_stream", "stream": {"id": "c", "url": "x", "color": 1}}, "stream.color: Extra inputs"),
+    # refused in the reply, not accepted and failed later by the decoder; the password never echoed
+    ({"op": "add_stream", "stream": {"id": "c", "url": "ftp://u:pw@h/a.mp4"}},
+     r"stream.url: .*unsupported URL scheme 'ftp' in 'ftp://\*\*\*@h/a.mp4'; allowed: a file path"),
     ({"op": "add_object", "stream": "cam1", "id": 1, "box": [0, 0, 5, 5]}, "add_object needs the sam2 pool: configure models.sam2"),
 ])
 def test_bad_requests_get_an_error_reply(running, req, error):

@@ -117,6 +117,20 @@ def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
     assert msgs[-1]["kind"] == "eos" and msgs[-1]["t"] - msgs[-2]["t_publish"] < 1.0
 
 
+def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):
+    """stop(drain=False) takes back the batch a worker runs; the worker thread must still have ended when
+    stop returns (it used to be left running: a process exiting under a running torch forward dies with
+    "terminate called without an active exception", exit 134, as bench_view did with vit_tiny)."""
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=1000", "mode": "offline"}],
+                        endpoint, models={"classify": {"max_batch": 1}})
+    worker = NullWorker(per_frame_s=0.4)
+    eng = Engine(cfg, workers={"classify": worker})
+    eng.start()
+    assert wait(lambda: worker.batches >= 2, 20)  # a batch is running now (each takes 0.4 s)
+    eng.stop(drain=False)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-classify")]
+
+
 def test_a_leaked_frame_breaks_the_conservation_check(endpoint, monkeypatch):
     """in_flight is counted from what the holders hold, so a frame lost between two of them shows: the
     accounting no longer closes for that stream, while it closes at every sample when nothing leaks."""

@@ -113,30 +113,32 @@ def test_blackhole_mid_stream_and_at_connect(server, endpoint):
     assert stalled_after >= 1.5 and stalled_after <= 5.5
 
 
-def test_port_closed_for_60_s_backs_off_to_the_cap_quietly(endpoint, caplog):
-    port = free_port()  # nothing listens: connection refused, for a whole minute
+def test_port_closed_backs_off_to_the_cap_quietly(endpoint, caplog):
+    """Connection refused for 24 s with the cap at 8 s (the default 30 s cap shows the same shape over
+    ~90 s: 0.5, 1, 2, ... capped; 24 s reach the cap twice and keep `make test` short)."""
+    port = free_port()  # nothing listens: connection refused all along
+    cap, window = 8.0, 24.0
     cfg = engine_config([{"id": "cam", "url": f"rtsp://admin:s3cret@127.0.0.1:{port}/x", "mode": "live"}], endpoint,
-                        source={"reconnect_max_s": 30})
+                        source={"reconnect_max_s": cap})
     eng = Engine(cfg, workers={"classify": NullWorker()})
     proc = psutil.Process()
     with caplog.at_level(logging.INFO):
         eng.start()
         runner = eng.streams["cam"].runner
-        t0 = time.monotonic()
         cpu0 = sum(proc.cpu_times()[:2])
-        time.sleep(60)
+        time.sleep(window)
         cpu = sum(proc.cpu_times()[:2]) - cpu0
         eng.stop()
     gaps = [b - a for a, b in zip(runner.attempts, list(runner.attempts)[1:])]
     assert gaps[0] < 1.0  # the first retry within 1 s
     pauses = list(runner.backoff)
-    assert 30 * 0.8 <= max(pauses) <= 30 * 1.2  # the backoff reached the cap (with jitter)
-    assert all(b >= a * 1.3 or b >= 30 * 0.8 for a, b in zip(pauses, pauses[1:]))  # exponential until the cap
+    assert cap * 0.8 <= max(pauses) <= cap * 1.2  # the backoff reached the cap (with jitter)
+    assert all(b >= a * 1.3 or b >= cap * 0.8 for a, b in zip(pauses, pauses[1:]))  # exponential until the cap
     assert all(g <= p + 0.5 for g, p in zip(gaps, pauses))  # attempts follow the schedule
-    assert len(runner.attempts) <= 9
-    assert cpu < 0.1 * 60  # idle while waiting
+    assert len(runner.attempts) <= 8  # 0, 0.5, 1.5, 3.5, 7.5, 15.5, 23.5 s (+-20 % jitter)
+    assert cpu < 0.1 * window  # idle while waiting
     lines = [r for r in caplog.records if "cam" in r.getMessage() and "connect" in r.getMessage()]
-    assert len(lines) <= 3  # aggregated: not a line per attempt
+    assert len(lines) <= 2  # aggregated (one line per 30 s): not a line per attempt
     assert "s3cret" not in caplog.text
 
 

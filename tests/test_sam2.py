@@ -103,14 +103,14 @@ def test_object_added_mid_stream(model, ckpt, clips, tmp_path):
 
 
 def test_memory_bank_is_bounded(model, clips):
-    frames = decode_all(clips[0]) * 3  # 63 frames
+    frames = decode_all(clips[0])
+    feats = [feats_of(model, f) for f in frames]  # encoded once, played 3 times (63 steps): the bank is the stage's
     stage = DecoderStage(model)
     stage.add_stream("a")
     stage.add_object("a", prompt(1, PROMPTS[1]))
     sizes = []
-    for f in frames:
-        feats = encode(model, preprocess([torch.from_numpy(f)], SIZE, "fast", torch.device("cpu")))
-        stage.step([("a", feats[0], f.shape[:2])])
+    for i in range(3 * len(frames)):
+        stage.step([("a", feats[i % len(frames)], frames[0].shape[:2])])
         sizes.append(stage.bank_entries()[("a", 1)])
     bank = stage._streams["a"].objects[1]
     bound = 1 + (model.num_maskmem - 1) + (model.max_obj_ptrs_in_encoder - 1)
@@ -247,8 +247,16 @@ def test_both_pools_on_one_stream(ckpt, endpoint):
     assert [m["kind"] for m in msgs if m["type"] == "event"] == ["started", "eos"] and msgs[-1]["kind"] == "eos"
 
 
+_FEATS: dict = {}
+
+
 def feats_of(model, frame):
-    return encode(model, preprocess([torch.from_numpy(frame)], SIZE, "fast", torch.device("cpu")))[0]
+    """The frame's image features, encoded once per module (several tests step the same clip's frames;
+    the decoder stage only reads features)."""
+    key = (id(model), frame.shape, frame.tobytes())
+    if key not in _FEATS:
+        _FEATS[key] = encode(model, preprocess([torch.from_numpy(frame)], SIZE, "fast", torch.device("cpu")))[0]
+    return _FEATS[key]
 
 
 def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, clips, monkeypatch):

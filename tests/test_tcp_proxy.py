@@ -236,11 +236,12 @@ def test_close_and_reopen_listener(proxy):
 def test_target_down_resets_client(echo):
     port = echo.port
     echo.close()
-    with FaultProxy("127.0.0.1", port) as p, connect(p) as c:
+    with FaultProxy("127.0.0.1", port) as p:
         try:
-            assert c.recv(10) == b""
+            with connect(p) as c:
+                assert c.recv(10) == b""  # closed, not left hanging (a hang times out the recv)
         except ConnectionResetError:
-            pass
+            pass  # the reset may reach the client before its connect() has returned (seen once in CI)
 
 
 @pytest.mark.timeout(30)

@@ -424,3 +424,137 @@ def test_a_busy_view_port_is_a_configuration_error(endpoint):
     finally:
         eng.stop()
         busy.close()
+
+
+# -- the size each page asks for ----------------------------------------------------------------------
+def _side(jpeg: bytes) -> int:
+    import cv2
+    img = cv2.imdecode(np.frombuffer(jpeg, np.uint8), cv2.IMREAD_COLOR)
+    return max(img.shape[:2])
+
+
+def _encoded_side(hub, seq):
+    """Offer an 800x600 frame with its result: the longer side of the JPEG the hub shows for it."""
+    hub.capture(_meta(seq, 800, 600), torch.full((600, 800, 3), 100, dtype=torch.uint8))
+    hub.on_message({"type": "classify", "stream": "cam", "seq": seq})
+    assert _wait(lambda: hub.shown("cam")[1] is not None and hub.shown("cam")[1].seq == seq)
+    return _side(hub.shown("cam")[1].jpeg)
+
+
+def test_the_hub_encodes_at_the_largest_size_its_watchers_ask_for(hub):
+    hub.expect("cam", [])
+    hub.watch("cam", +1, 160)
+    assert _encoded_side(hub, 1) == 160
+    hub.watch("cam", +1, 320)
+    hub.watch("cam", +1, 192)
+    assert _encoded_side(hub, 2) == 320  # the largest asked: not the last one, nor the smallest
+    hub.watch("cam", -1, 320)
+    assert _encoded_side(hub, 3) == 192  # its watcher left: the largest of those still watching
+    hub.watch("cam", +1, 5000)
+    assert _encoded_side(hub, 4) == 640  # never above view.max_side
+    hub.watch("cam", -1, 5000)
+    hub.watch("cam", +1)  # no size asked (the list form): view.max_side
+    assert _encoded_side(hub, 5) == 640
+    hub.watch("cam", -1)
+    assert _encoded_side(hub, 6) == 192
+    hub.watch("cam", -1, 192)
+    hub.watch("cam", -1, 192)  # a stop without its start changes nothing
+    assert hub._streams["cam"].watchers == 1 and _encoded_side(hub, 7) == 160
+    hub.watch("cam", -1, 160)
+    assert hub._streams["cam"].watchers == 0 and not hub._streams["cam"].sizes
+    assert (hub.side(10), hub.side(None), hub.side(10**9)) == (64, 640, 640)
+
+
+@pytest.mark.parametrize("text, want", [
+    ('{"watch": ["a", "b", 3, null]}', {"a": 640, "b": 640}),  # the list form: view.max_side each
+    ('{"watch": {"a": 320, "b": 10, "c": 100000, "d": null}}', {"a": 320, "b": 64, "c": 640, "d": 640}),
+    ('{"watch": {"a": "320", "b": 320.5, "c": true, "d": [1], "e": 128}}', {"e": 128}),  # sizes are ints
+    ('{"watch": "abc"}', None), ('{"watch": 5}', None), ("[1]", None), ("not json", None),
+    ("{}", {}),  # watch nothing
+])
+def test_the_watch_message(hub, text, want):
+    from engine.view.server import parse_watch
+    assert parse_watch(text, hub.side) == want
+
+
+def test_a_start_the_hub_did_not_count_is_never_stopped_for_another_page():
+    """The stream goes between the server's known() and the hub's count: the page must not record the
+    start, else its stop would take away another page's count of the same size."""
+    from types import SimpleNamespace
+
+    from engine.view.server import ViewServer, _Client
+
+    class Hub:  # knows the stream, but it is forgotten before the count
+        def __init__(self):
+            self.calls = []
+
+        def known(self, s):
+            return True
+
+        def watch(self, s, delta, size):
+            self.calls.append((s, delta, size))
+            return delta < 0 or s != "gone"
+
+    hub = Hub()
+    server, client = SimpleNamespace(hub=hub), _Client(ws=None)
+    client.wake = SimpleNamespace(set=lambda: None)
+    ViewServer._rewatch(server, client, {"gone": 320, "cam": 320})
+    assert client.watching == {"cam": 320}
+    ViewServer._rewatch(server, client, {})
+    assert ("gone", -1, 320) not in hub.calls and ("cam", -1, 320) in hub.calls
+
+
+def test_each_page_gets_frames_at_the_largest_size_asked_over_the_websocket(endpoint):
+    """Page A asks for 160, page B (the list form) for nothing: A alone gets 160, both get 640 while B
+    watches, A gets 160 again once B left, then 320 when it asks for that (no new page: an update)."""
+    import aiohttp
+    eng, view = _view_engine(endpoint, [{"id": "cam1", "url": "synthetic://shapes?size=800x600&fps=15"}])
+
+    async def reader(ws, got):
+        async for m in ws:
+            if m.type == aiohttp.WSMsgType.BINARY:
+                n = struct.unpack(">I", m.data[:4])[0]
+                got.append((time.monotonic(), _side(m.data[4 + n:])))
+
+    async def run():
+        got_a, got_b, marks = [], [], []
+        async with aiohttp.ClientSession() as s:
+            a = await s.ws_connect(view.url + "ws")
+            task_a = asyncio.create_task(reader(a, got_a))
+            await a.send_str(json.dumps({"watch": {"cam1": 160}}))
+            marks.append(time.monotonic())
+            await asyncio.sleep(2.5)
+            b = await s.ws_connect(view.url + "ws")
+            task_b = asyncio.create_task(reader(b, got_b))
+            await b.send_str(json.dumps({"watch": ["cam1"]}))
+            marks.append(time.monotonic())
+            await asyncio.sleep(2.5)
+            await b.close()
+            await task_b
+            marks.append(time.monotonic())
+            await asyncio.sleep(2.5)
+            await a.send_str(json.dumps({"watch": {"cam1": 320}}))
+            marks.append(time.monotonic())
+            await asyncio.sleep(2.5)
+            watchers = eng.view._streams["cam1"].watchers
+            await a.close()
+            await task_a
+            marks.append(time.monotonic())
+        return got_a, got_b, marks, watchers
+
+    try:
+        got_a, got_b, marks, watchers = asyncio.run(run())
+
+        def sides(got, phase):  # frames of a phase from the first at the new size on: frames encoded
+            # before the change may still be shown first (held for their results; longer on a busy machine)
+            seen = [side for t, side in got if marks[phase] <= t < marks[phase + 1]]
+            return seen, next((seen[i:] for i, x in enumerate(seen) if x == expected), [])
+        for got, phase, expected in ((got_a, 0, 160), (got_a, 1, 640), (got_b, 1, 640), (got_a, 2, 160),
+                                     (got_a, 3, 320)):
+            seen, after = sides(got, phase)
+            assert len(after) >= 3 and set(after) == {expected}, (phase, expected, seen)
+        assert watchers == 1  # the size change replaced A's size: it did not add a watcher
+        assert _wait(lambda: "cam1" not in eng.view._streams or not eng.view._streams["cam1"].watchers)
+    finally:
+        view.close()
+        eng.stop()

@@ -318,6 +318,30 @@ def test_overlays_are_drawn_on_their_own_frame(browser, classify):
         assert len(draws) >= 10 and all(f == r for f, r in draws), draws
 
 
+def test_tiles_get_frames_no_larger_than_they_show(browser, classify):
+    """Each tile asks for the size it shows its stream at (rounded up to 64 device pixels): narrowed to
+    150 CSS px, the tiles get frames of at most that step instead of the streams' 320x240; widened
+    again, full-size frames again."""
+    open_page(browser, classify)
+    wait_for(lambda: {"a", "b"} <= set(tiles(browser)) and all(t["frame"] for t in tiles(browser).values()),
+             "two tiles with frames")
+
+    def shown():  # per tile: the longer side of the frame it drew last, and its shown size's step
+        got = browser.execute_script(
+            "const out = {}; for (const c of document.querySelectorAll('.tile canvas.frame')) {"
+            " const r = c.getBoundingClientRect(); out[c.closest('.tile').dataset.stream] ="
+            " [c.dataset.frameSize || '', Math.max(r.width, r.height) * devicePixelRatio]; } return out;")
+        return {sid: (max(map(int, size.split("x"))) if size else 0, -(-px // 64) * 64)
+                for sid, (size, px) in got.items()}
+    wait_for(lambda: all(side == 320 for side, _ in shown().values()), "full-size frames in wide tiles")
+    browser.execute_script("document.getElementById('tiles').style.gridTemplateColumns = 'repeat(auto-fill, 150px)'")
+    small = wait_for(lambda: (s := shown()) and all(0 < side <= step for side, step in s.values()) and s,
+                     "frames no larger than the narrowed tiles show")
+    assert all(step < 320 for _, step in small.values()), small  # the check above could not pass unchanged
+    browser.execute_script("document.getElementById('tiles').style.gridTemplateColumns = ''")
+    wait_for(lambda: all(side == 320 for side, _ in shown().values()), "full-size frames once widened again")
+
+
 def test_add_and_remove_a_stream_from_the_page(browser, classify):
     open_page(browser, classify)
     wait_for(lambda: {"a", "b"} <= set(tiles(browser)), "the tiles")

@@ -124,7 +124,7 @@ class Controller:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from .engine_actor import EngineActor
+        from .engine_actor import NORMAL_PRIORITY, EngineActor
         remote = ray.remote(EngineActor)
         for node in nodes:
             for name in self._engine_names(node["NodeID"]):
@@ -134,6 +134,7 @@ class Controller:
                     handle = remote.options(
                         name=name, namespace=self.cc.namespace, lifetime="detached", max_restarts=0,
                         num_gpus=self.cc.engine_gpus, num_cpus=self.cc.engine_cpus, max_concurrency=4,
+                        runtime_env=NORMAL_PRIORITY,
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
                     ).remote(self.tree, name)
                 except Exception as err:  # e.g. the name was taken between the lookup and here
@@ -272,7 +273,7 @@ class Controller:
         if target is None:
             loads = [e.load for e in self.engines.values() if e.name not in exclude]
             chosen, why = choose(loads, stream=sid, pools=pools, fps=fps, max_load=self.cc.max_load,
-                                 pin=self.cc.pin.get(sid))
+                                 pin=self.cc.pin.get(sid), offline=scfg.get("mode") == "offline")
             if chosen is None:
                 return why
             target = self.engines[chosen.name]
@@ -390,7 +391,8 @@ class Controller:
         if to is None:
             loads = [e.load for e in self.engines.values() if e.name not in exclude]
             chosen, reason = choose(loads, stream=sid, pools=pools, fps=stream_fps(scfg["url"], self.cc.stream_fps),
-                                    max_load=self.cc.max_load, pin=self.cc.pin.get(sid))
+                                    max_load=self.cc.max_load, pin=self.cc.pin.get(sid),
+                                    offline=scfg.get("mode") == "offline")
             if chosen is None:
                 return reason
             to = chosen.name
@@ -482,6 +484,11 @@ class Controller:
         """This controller's process id (a restart changes it)."""
         import os
         return os.getpid()
+
+    def node(self) -> str:
+        """The Ray node this controller runs on."""
+        import ray
+        return ray.get_runtime_context().get_node_id()
 
 
 class _Refused(Exception):

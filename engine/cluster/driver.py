@@ -29,6 +29,7 @@ log = logging.getLogger("vidar.cluster")
 EXIT_OK, EXIT_STREAM_FAILED, EXIT_CONFIG, EXIT_DEAD = 0, 1, 2, 3
 CALL_S = 30.0
 START_S = 180.0  # the controller's and the engines' processes start (imports, models)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives it to the head node only
 
 
 def import_ray():
@@ -59,16 +60,24 @@ def connect(address: Optional[str], namespace: str):
 def controller(ray, tree: dict, cc: ClusterConfig, create: bool = True):
     """(the controller, whether it ran already)."""
     from .controller import CONTROLLER, Controller
+    from .engine_actor import NORMAL_PRIORITY
     try:
         return ray.get_actor(CONTROLLER, namespace=cc.namespace), True
     except ValueError:
         if not create:
             raise ConfigError(f"no vidar cluster runs in namespace {cc.namespace!r} (start one with "
                               "`vidar cluster run CONFIG`)") from None
-    # detached, named, restarted by Ray when it dies: the desired state it holds is in Ray's KV
+    # detached, named, restarted by Ray when it dies: the desired state it holds is in Ray's KV. On the
+    # head's node: anywhere else it would die with a GPU node and be restarted (a new process importing
+    # the engine: tens of seconds) just when that node's streams need re-placing (measured: no relocation
+    # within 40 s when it happened to sit on the node the test removed). Ray gives the head, and only
+    # the head, the resource node:__internal_head__; Ray Train places its own detached state actor with
+    # it the same way (a soft NodeAffinitySchedulingStrategy to the head was measured to land elsewhere).
     return ray.remote(Controller).options(
         name=CONTROLLER, namespace=cc.namespace, lifetime="detached", max_restarts=-1,
-        max_task_retries=-1, max_concurrency=16, num_cpus=0).remote(tree), False
+        max_task_retries=-1, max_concurrency=16, num_cpus=0, runtime_env=NORMAL_PRIORITY,
+        resources={HEAD_RESOURCE: 0.001}).remote(tree), False
+
 
 
 class ClusterDriver:

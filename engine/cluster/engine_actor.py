@@ -19,6 +19,14 @@ from ..qos import LOAD_DROPS
 
 
 OBJECT_S = 3.0  # per SAM 2 prompt re-added (the controller waits CALL_S for the whole start)
+# Ray starts every worker process at niceness 15 (so that its own daemons stay responsive), which leaves
+# a real-time engine ~3 % of a core beside any process at the default niceness 0: measured, two busy
+# processes on a 2-core node kept both engines loading their models for over 6 minutes. Vidar's actors
+# (the engines and the controller, whose heartbeats judge them) run at the raylet's own priority instead:
+# Ray reads this variable when a worker process starts and adds it to the niceness it inherited (its
+# job supervisor sets it the same way). Actors a controller starts inherit its runtime_env; the engines
+# name it too, for a controller started by an older vidar.
+NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def engine_config(tree: dict, node_ip: str) -> EngineConfig:

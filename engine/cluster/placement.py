@@ -54,8 +54,11 @@ def cost(engine: EngineLoad, pools: list[str], fps: float) -> dict[str, float]:
 
 
 def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: float, max_load: float,
-           pin: Optional[str] = None) -> tuple[Optional[EngineLoad], str]:
-    """(the engine, "") or (None, why none can take it)."""
+           pin: Optional[str] = None, offline: bool = False) -> tuple[Optional[EngineLoad], str]:
+    """(the engine, "") or (None, why none can take it). An offline stream (a file processed as fast as
+    the engine goes, no deadlines) is never refused for load: it takes what is free, so it goes to the
+    engine with the most slack whatever its rate would cost (refusing it measured a file's nominal
+    30 fps against a loaded machine's warm-up time: a clip no engine would take)."""
     why = []
     best, best_load = None, None
     for e in engines:
@@ -70,7 +73,7 @@ def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: flo
         c = cost(e, pools, fps)
         after = {p: e.load(p) + c[p] for p in pools}
         worst = max(after.values(), default=0.0)
-        if worst > max_load:
+        if worst > max_load and not offline:
             p = max(after, key=after.get)
             why.append(f"{e.name} {p} load {e.load(p):.2f} + {c[p]:.2f} = {worst:.2f} > {max_load:g}")
             continue

@@ -9,8 +9,11 @@ counter. For a watched stream:
     counted (`busy`): the data path never waits for the view;
   * the publisher thread hands over each message it sent for the stream (a bounded queue; an
     overflow is counted as `results_overflow`);
-  * one encoder thread downscales (longer side <= `view.max_side`) and JPEG-encodes the frames
-    (OpenCV, which releases the GIL) and matches them with their results by `seq`.
+  * one encoder thread downscales and JPEG-encodes the frames (OpenCV, which releases the GIL) and
+    matches them with their results by `seq`. Each page asks for the size it shows a stream at (a
+    small tile needs fewer pixels, and decoding them costs the browser's CPU, which the models share
+    on a small machine): a stream is encoded at the largest longer side any of its watchers asked
+    for, at most `view.max_side` (which is also what a watcher that asks for nothing gets).
 A frame is shown with the results of the same frame only, never on a later one. When the newest
 results are for an older frame than the newest encoded one, the tile shows the newest frame that
 has results and how far behind live it is. Every frame the tap took ends in one outcome of
@@ -40,6 +43,7 @@ HELD_FRAMES = 8       # encoded frames kept per stream, waiting for their result
 HELD_RESULTS = 64     # seqs whose results are kept per stream
 INBOX = 256           # published messages waiting for the encoder thread, per stream
 OFFLINE_WAIT_S = 2.0  # offline frames have no deadline: a frame missing a pool's result is shown after this
+MIN_SIDE = 64         # the smallest longer side a page may ask for (below it a tile shows nothing useful)
 OUTCOMES = ("shown", "busy", "unmatched", "superseded", "results_overflow")
 
 
@@ -59,6 +63,7 @@ class Frame:
 @dataclass
 class _Stream:
     watchers: int = 0
+    sizes: Counter = field(default_factory=Counter)  # longer side asked -> how many watchers ask for it
     live: bool = False        # the engine runs this stream (expect .. forget)
     gen: int = 0              # bumped whenever what is held is dropped: late work of an older gen is discarded
     kinds: tuple = ()         # the pools the stream feeds: a frame is complete with a result of each
@@ -96,18 +101,31 @@ class ViewHub:
         st = self._streams.get(stream)
         return st is not None and st.live
 
-    def watch(self, stream: str, delta: int) -> None:
+    def watch(self, stream: str, delta: int, size: Optional[int] = None) -> bool:
         """A page starts (+1) or stops (-1) watching a stream the engine runs (others are ignored: a
-        page cannot make the hub hold anything for names of no stream)."""
+        page cannot make the hub hold anything for names of no stream), at `size` (the longer side it
+        shows the stream at; None: `view.max_side`). A page stops with the size it started with; to
+        change the size it starts with the new one before it stops with the old one (a count that
+        touched zero would let go of what is held). Returns whether it was counted: a page records
+        only starts that were, so that its stop can never take away another page's count."""
+        size = self.side(size)
         with self._lock:
             st = self._streams.get(stream)
             if st is None or (delta > 0 and not st.live):
-                return
-            st.watchers = max(0, st.watchers + delta)
+                return False
+            st.sizes[size] = max(0, st.sizes[size] + delta)  # never below 0, whatever a page sends
+            if not st.sizes[size]:
+                del st.sizes[size]  # the encoder takes max() of the keys: only sizes someone asks for
+            st.watchers = sum(st.sizes.values())
             if not st.watchers:  # nobody left: let go of what is held (memory is the tap's only cost)
                 self._reset(st)
                 if not st.live:
                     del self._streams[stream]
+            return True
+
+    def side(self, size: Optional[int]) -> int:
+        """The longer side a watcher gets: what it asked, within [MIN_SIDE, view.max_side]."""
+        return self.cfg.max_side if size is None else max(MIN_SIDE, min(int(size), self.cfg.max_side))
 
     @staticmethod
     def _reset(st: _Stream) -> None:
@@ -256,13 +274,15 @@ class ViewHub:
                     self._lock.wait(0.5)
                 if self._closed:
                     return
-                work = [(sid, st, st.pending.popleft() if st.pending else None, list(st.inbox))
+                # the size is read now, with the frame: a page that resizes gets the next frame at its size
+                work = [(sid, st, st.pending.popleft() if st.pending else None, list(st.inbox),
+                         max(st.sizes, default=self.cfg.max_side))
                         for sid, st in self._streams.items() if st.pending or st.inbox or st.frames]
-                for _, st, _, _ in work:
+                for _, st, _, _, _ in work:
                     st.inbox.clear()
-            for sid, st, item, msgs in work:
+            for sid, st, item, msgs, side in work:
                 try:
-                    frame = self._encode(cv2, item[0], item[1]) if item is not None else None
+                    frame = self._encode(cv2, item[0], item[1], side) if item is not None else None
                 except Exception:  # a bad frame must not end the view (nor the engine)
                     log.exception("view: stream %s: encoding a frame failed", sid)
                     frame = None
@@ -276,9 +296,10 @@ class ViewHub:
                 if changed:
                     self.on_update(sid)
 
-    def _encode(self, cv2, meta: FrameMeta, buf: np.ndarray) -> Frame:
+    def _encode(self, cv2, meta: FrameMeta, buf: np.ndarray, side: int) -> Frame:
+        """Downscale so the longer side is at most `side` (never up: the page scales, not the wire)."""
         h, w = buf.shape[:2]
-        scale = min(1.0, self.cfg.max_side / max(h, w))
+        scale = min(1.0, side / max(h, w))
         # INTER_AREA is the right filter to shrink, but measured 6x slower than INTER_LINEAR at
         # non-integer factors (768x576 -> 640: 4.0 vs 0.6 ms); down to half size bilinear does not alias.
         interp = cv2.INTER_LINEAR if scale >= 0.5 else cv2.INTER_AREA

@@ -12,7 +12,11 @@ JSON API (the page uses it; so can scripts). Every reply is {"ok": true, ...} or
     DELETE /api/streams/{id}
     POST   /api/streams/{id}/objects         {"id": 3, "box": [x0, y0, x1, y1]} or {"id": 3, "points": [[x, y, 1], ...]}
     DELETE /api/streams/{id}/objects/{oid}
-WebSocket /ws: the page sends {"watch": [stream ids]}; the server sends a text message
+WebSocket /ws: the page sends {"watch": {stream id: size}}, size being the longer side in device
+pixels it shows the stream at (an int, clamped to [64, view.max_side]; null: view.max_side), or
+{"watch": [stream ids]} (each at view.max_side); again whenever what it shows changes (a stream, a
+size). Each stream is encoded at the largest size its watchers ask for; a message or entry of another
+shape is ignored. The server sends a text message
 {"type": "state", ...} every second (every stream's state, rates, drops, latency history) and, for
 each watched stream whose shown frame changed, a binary message: 4 bytes (big-endian length n),
 n bytes of JSON {"stream", "seq", "pts", "t_capture", "width", "height", "results": {kind: result}},
@@ -154,26 +158,38 @@ class ViewServer:
         try:
             await ws.send_str(json.dumps(self._state))
             async for msg in ws:
-                if msg.type != WSMsgType.TEXT:
-                    continue
-                try:
-                    want = json.loads(msg.data).get("watch", [])
-                    want = {s for s in want if isinstance(s, str)}
-                except (ValueError, AttributeError):
-                    continue
-                for s in client.watching - want:
-                    self.hub.watch(s, -1)
-                want = {s for s in want if self.hub.known(s)}  # names of no stream hold nothing
-                for s in want - client.watching:
-                    self.hub.watch(s, +1)
-                    client.mark(s)  # send what is on show now
-                client.watching = want
+                want = parse_watch(msg.data, self.hub.side) if msg.type == WSMsgType.TEXT else None
+                if want is not None:
+                    self._rewatch(client, want)
         finally:
             self._clients.discard(client)
-            for s in client.watching:
-                self.hub.watch(s, -1)
+            for s, size in client.watching.items():
+                self.hub.watch(s, -1, size)
             sender.cancel()
         return ws
+
+    def _rewatch(self, client: "_Client", want: dict[str, int]) -> None:
+        """The page now shows these streams at these sizes. A stream that is no longer known is let go
+        even if the page still asks for it: the hub's count for it must come back to zero."""
+        old = client.watching
+        new = {s: n for s, n in want.items() if self.hub.known(s)}  # names of no stream hold nothing
+        for s, n in list(new.items()):
+            if old.get(s) == n:
+                continue
+            # new, or resized: the new size is counted before the old one is let go. A start the hub did
+            # not count (the stream went between known() and here) is not recorded: its stop would take
+            # away another page's count of the same size
+            if not self.hub.watch(s, +1, n):
+                if s in old:
+                    new[s] = old[s]  # still counted at the old size, let go below with the others
+                    continue
+                del new[s]
+            elif s not in old:
+                client.mark(s)  # send what is on show now
+        for s, n in old.items():
+            if new.get(s) != n:
+                self.hub.watch(s, -1, n)
+        client.watching = new
 
     def _frame_ready(self, stream: str) -> None:
         for c in self._clients:
@@ -263,10 +279,25 @@ class ViewServer:
                 "p50_ms": p50, "p99_ms": p99, "history": list(hist)}
 
 
+def parse_watch(text: str, side) -> Optional[dict[str, int]]:
+    """A page's watch message -> {stream: longer side}, sizes through `side` (the hub's clamp; None
+    for view.max_side). None: not a watch message (ignored). Entries of another shape are left out."""
+    try:
+        want = json.loads(text).get("watch", [])
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(want, list):
+        return {s: side(None) for s in want if isinstance(s, str)}
+    if isinstance(want, dict):  # JSON keys are strings; bool is an int to Python, not a size
+        return {s: side(n) for s, n in want.items()
+                if n is None or (isinstance(n, int) and not isinstance(n, bool))}
+    return None
+
+
 class _Client:
     def __init__(self, ws: web.WebSocketResponse):
         self.ws = ws
-        self.watching: set[str] = set()
+        self.watching: dict[str, int] = {}  # stream -> the size this page asked for (clamped)
         self.dirty: set[str] = set()
         self.sent: dict[str, int] = {}
         self.state: Optional[str] = None  # the newest state message not sent yet

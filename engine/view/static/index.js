@@ -16,17 +16,20 @@ const removeStream = async (id) => {
   // on success the tile goes with the next state message, which no longer lists the stream
 };
 
+// Each stream at the size its tile shows it: small tiles get small frames.
+const rewatch = () => live.watch(Object.fromEntries([...tiles].map(([id, tile]) => [id, tile.wanted()])));
+
 const live = connect({
   onStatus: (s) => { status.textContent = s; status.className = s === "live" ? "ok" : "bad"; },
   onFrame: (head, jpeg) => tiles.get(head.stream)?.frame(head, jpeg),
   onState(msg) {
     const ids = Object.keys(msg.streams).sort();
     for (const [id, tile] of tiles) {
-      if (!msg.streams[id]) { tile.el.remove(); tiles.delete(id); }
+      if (!msg.streams[id]) { tile.close(); tiles.delete(id); }
     }
     for (const id of ids) {
       if (!tiles.has(id)) {
-        const tile = new Tile(id, { onRemove: removeStream });
+        const tile = new Tile(id, { onRemove: removeStream, onResize: rewatch });
         tiles.set(id, tile);
         // keep the grid in id order whatever order streams were added in
         const next = ids.slice(ids.indexOf(id) + 1).find((other) => tiles.get(other)?.el.isConnected);
@@ -35,7 +38,7 @@ const live = connect({
       tiles.get(id).state(msg.streams[id], msg);
     }
     empty.hidden = ids.length > 0;
-    live.watch(ids);
+    rewatch();
   },
 });
 

@@ -1,15 +1,18 @@
 // The live view's WebSocket (protocol in engine/view/server.py): the page says which streams it
-// shows ({"watch": [ids]}); the server sends the state once a second as text, and each watched
-// stream's shown frame as binary: a 4-byte big-endian length n, n bytes of JSON (the frame's
-// header, with the results of that same frame), then the JPEG.
+// shows and at what size ({"watch": {id: longer side in device pixels, or null}}: the server encodes
+// each stream at the largest size its pages ask for, at most view.max_side, so a small tile costs
+// the browser fewer pixels to decode); the server sends the state once a second as text, and each
+// watched stream's shown frame as binary: a 4-byte big-endian length n, n bytes of JSON (the
+// frame's header, with the results of that same frame), then the JPEG.
 
 /**
  * Connect, and reconnect with a capped backoff (the engine may restart; the page stays open).
- * Returns {watch(ids)}: call it whenever the set of shown streams changes.
+ * Returns {watch(sizes)}: call it with {id: size} (or a list of ids: no size asked) whenever the shown
+ * streams or their sizes may have changed; it sends only a change.
  */
 export function connect({ onState, onFrame, onStatus }) {
   let ws = null;
-  let watching = [];
+  let watching = {};
   let delay = 500;
   const send = () => {
     if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ watch: watching }));
@@ -35,9 +38,10 @@ export function connect({ onState, onFrame, onStatus }) {
   };
   open();
   return {
-    watch(ids) {
-      const next = [...ids].sort();
-      if (next.join("\n") === watching.join("\n")) return;
+    watch(sizes) {
+      const entries = Array.isArray(sizes) ? sizes.map((id) => [id, null]) : Object.entries(sizes);
+      const next = Object.fromEntries(entries.sort(([a], [b]) => (a < b ? -1 : a > b ? 1 : 0)));
+      if (JSON.stringify(next) === JSON.stringify(watching)) return;  // same ids, same sizes
       watching = next;
       send();
     },

@@ -20,6 +20,7 @@ const pointsBar = document.getElementById("points");
 const tile = new Tile(id, {
   link: false,
   onRemove: async () => { if (await tryApi("DELETE", base)) location.assign("/"); },
+  onResize: () => rewatch(),
 });
 document.getElementById("stream").append(tile.el);
 
@@ -91,6 +92,7 @@ document.addEventListener("keydown", (ev) => {
 });
 
 // -- live ----------------------------------------------------------------------------------------
+const rewatch = () => live.watch({ [id]: tile.wanted() });  // at the size the tile shows it
 const live = connect({
   onStatus: (s) => { status.textContent = s; status.className = s === "live" ? "ok" : "bad"; },
   onFrame: (head, jpeg) => { if (head.stream === id) tile.frame(head, jpeg); },
@@ -98,6 +100,7 @@ const live = connect({
     const s = msg.streams[id];
     missing.hidden = Boolean(s);
     tile.el.hidden = !s;
+    rewatch();  // a tile shown again has a size again
     if (!s) return;
     tile.state(s, msg);
     const tracks = Array.isArray(s.objects);  // only streams on the SAM 2 pool list objects
@@ -108,5 +111,5 @@ const live = connect({
     }
   },
 });
-live.watch([id]);
+rewatch();
 wireErrorBox();

@@ -4,9 +4,15 @@ import { COLORS, drawChart } from "./chart.js";
 import { h } from "./dom.js";
 import { drawResults, pct, shortLabel } from "./overlay.js";
 
+// The frame size a tile asks for is rounded up to a step, so that a pixel of layout jitter does not make
+// the server re-encode, and re-sent only once a resize has settled.
+const SIZE_STEP = 64;
+const RESIZE_SETTLE_MS = 300;
+
 export class Tile {
-  /** onRemove(id): the tile's remove button; link: the title links to the stream's own page. */
-  constructor(id, { onRemove, link = true } = {}) {
+  /** onRemove(id): the tile's remove button; link: the title links to the stream's own page;
+   * onResize(): the size the frame is shown at changed (settled), see wanted(). */
+  constructor(id, { onRemove, onResize, link = true } = {}) {
     this.id = id;
     this.size = null;        // [w, h] of the stream, from the last frame header
     this.results = {};       // the results drawn on the frame on show
@@ -28,6 +34,26 @@ export class Tile {
         this.waiting = h("div", { class: "waiting" }, "waiting for frames…")),
       this.caption = h("div", { class: "caption" }),
       this.stats = h("div", { class: "stats" }));
+    let timer = null;
+    this.resizes = new ResizeObserver(() => {
+      clearTimeout(timer);
+      timer = setTimeout(() => onResize?.(), RESIZE_SETTLE_MS);
+    });
+    this.resizes.observe(this.canvas);
+  }
+
+  /** The frame size this tile needs: the longer side of the frame as shown, in device pixels, rounded
+   * up to SIZE_STEP (more would only cost the browser decoding). null while not laid out (hidden). */
+  wanted() {
+    const r = this.canvas.getBoundingClientRect();
+    const px = Math.max(r.width, r.height) * (window.devicePixelRatio || 1);
+    return px > 0 ? Math.ceil(px / SIZE_STEP) * SIZE_STEP : null;
+  }
+
+  /** The tile leaves the page. */
+  close() {
+    this.resizes.disconnect();
+    this.el.remove();
   }
 
   // -- frames ------------------------------------------------------------------------------------
@@ -58,13 +84,15 @@ export class Tile {
   /** Frame and overlay in one synchronous step: nothing can interleave another seq's results. */
   draw(head, bitmap) {
     const { width: w, height: h, results = {} } = head;
-    // The canvas keeps the JPEG's size (view.max_side): scaling it back up to the stream's size would only
-    // cost the browser pixels. Results are in stream pixels: drawn through a transform.
+    // The canvas keeps the JPEG's size (what wanted() asked, at most view.max_side): scaling it back up to
+    // the stream's size would only cost the browser pixels. Results are in stream pixels: drawn through a
+    // transform.
     const [bw, bh] = [bitmap.width, bitmap.height];
     if (this.canvas.width !== bw || this.canvas.height !== bh) {
       this.canvas.width = bw;
       this.canvas.height = bh;
     }
+    this.canvas.dataset.frameSize = `${bw}x${bh}`;  // what the server sent (tests read it)
     this.size = [w, h];
     const ctx = this.canvas.getContext("2d");
     ctx.setTransform(1, 0, 0, 1, 0, 0);
