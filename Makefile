@@ -38,6 +38,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/bench_sam2.py
 	bash scripts/install-browser-deps.sh
 	$(PY) benchmarks/bench_view.py
+	$(PY) benchmarks/bench_cluster.py
 
 soak: $(VENV)/.test
 	bash scripts/install-rtsp-deps.sh

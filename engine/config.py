@@ -159,6 +159,19 @@ class Sam2Config(_Strict):
         return sizes
 
 
+class NoopConfig(_Strict):
+    """A pool with no model: each frame costs a fixed time (a sleep, no CPU), results carry no fields. For
+    sizing a deployment and testing the plumbing (placement, relocation, publishing) at a known model
+    cost, independent of the machine (benchmarks/bench_cluster.py)."""
+
+    per_frame_s: float = Field(0.01, ge=0, le=10)
+    """Seconds each frame takes in a batch (a batch of n takes n times this)."""
+    max_batch: int = Field(4, ge=1, le=64)
+    """Largest batch."""
+    workers: int = Field(1, ge=1, le=64)
+    """Instances, each serving 1 / per_frame_s frames a second."""
+
+
 class ModelsConfig(_Strict):
     """Only the pools named here run. Without a `models` section at all, one classify pool runs."""
 
@@ -166,6 +179,8 @@ class ModelsConfig(_Strict):
     """The classification pool (any timm classifier; ViT-L/16 by default). Topic `classify.<stream>`."""
     sam2: Optional[Sam2Config] = None
     """The SAM 2 tracking pool. Topic `sam2.<stream>`."""
+    noop: Optional[NoopConfig] = None
+    """A pool with no model and a fixed cost per frame (benchmarks, sizing). Topic `noop.<stream>`."""
 
     @model_validator(mode="before")
     @classmethod

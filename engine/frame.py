@@ -47,6 +47,10 @@ class FrameMeta:
     height: int = 0
     width: int = 0
     extra: dict = field(default_factory=dict)
+    # The moment of t_capture on the monotonic clock (nan where a caller did not say). Latency is measured
+    # on it: the wall clock of these VMs was seen to step by tens of ms (and once, in a test, seconds),
+    # which made results that passed the deadline check carry latency_ms past the budget.
+    t_capture_mono: float = math.nan
 
     @property
     def live(self) -> bool:

@@ -28,6 +28,7 @@ in-flight count (this publisher holds the results in its outboxes) is exact at e
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, deque
@@ -288,11 +289,14 @@ class Publisher:
 
     def _serve_result(self, box: _Outbox, item: _Result, now: float) -> bool:
         meta = item.meta
-        if meta.live and time.monotonic() > meta.deadline:
+        t_mono = time.monotonic()
+        if meta.live and t_mono > meta.deadline:
             self._finish(box, item, lambda: item.acct.drop(meta.stream, DropReason.LATE))
             return True
+        # latency from the same reading as the deadline check, on the monotonic clock (the wall clock steps)
+        latency_ms = (t_mono - meta.t_capture_mono) * 1e3 if math.isfinite(meta.t_capture_mono) else None
         msg = result_message(item.kind, stream=meta.stream, seq=meta.seq, pts=meta.pts, t_capture=meta.t_capture,
-                             weights=item.weights, fields=item.fields)
+                             weights=item.weights, fields=item.fields, latency_ms=latency_ms)
         if self._send([topic(item.kind, meta.stream), pack(msg)]):
             self._finish(box, item, lambda: item.acct.publish(meta.stream, msg["latency_ms"]))
             self.stats.sent += 1

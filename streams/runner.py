@@ -187,7 +187,7 @@ class SourceRunner(OwnThread):
                     break
             t_mono, t_wall = self._capture_time(frame, due)
             meta = FrameMeta(self.stream, self.seq, frame.pts, t_wall, decode_s=frame.decode_s,
-                             deadline=t_mono + self.budget_s if self.live else math.inf)
+                             deadline=t_mono + self.budget_s if self.live else math.inf, t_capture_mono=t_mono)
             if not self.ring.write(meta, frame.rgb, self._stop):
                 break
             self.seq += 1

@@ -50,13 +50,22 @@ def test_up_run_status_down(head, tmp_path):
         "streams: [{id: clip, url: 'synthetic://shapes?size=64x48&fps=30&frames=40', mode: offline}]\n"
         "models: {classify: {name: test_vit, weights: random, max_batch: 2, device: cpu}}\n"
         "metrics: {enabled: false}\nstatus: {interval_s: 1}\n"
-        f"cluster: {{publish: {{endpoint: 'tcp://127.0.0.1:{free_port()}'}}, "
+        # two engines asked of a node with one GPU: the second is reported, never waited for
+        f"cluster: {{engines_per_node: 2, publish: {{endpoint: 'tcp://127.0.0.1:{free_port()}'}}, "
         f"control: {{endpoint: 'tcp://127.0.0.1:{free_port()}'}}}}\n")
     r = subprocess.run(VIDAR + ["cluster", "run", str(cfg), "--address", address], capture_output=True, text=True,
                        timeout=600, env=env)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     assert "cluster results on tcp://127.0.0.1:" in r.stdout
     assert "[cluster] clip" in r.stdout  # status lines name the stream and its engine
+    assert "-1: not started: the node has 1 GPU, 1 engine(s) of 1 GPU fit" in r.stderr, r.stderr[-2000:]
     r = subprocess.run(VIDAR + ["cluster", "drain", "nope", "--address", address], capture_output=True, text=True,
                        timeout=300, env=env)
     assert r.returncode == 2 and "no vidar cluster runs" in r.stderr  # `run` ended: it stopped what it started
+    # the head gone (here: stopped): status says it cannot reach it, and where the limit is written down
+    r = subprocess.run(VIDAR + ["cluster", "down", "--address", address], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run(VIDAR + ["cluster", "status", "--address", address], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 2 and "cannot reach the Ray head" in r.stderr and "known limits" in r.stderr, r.stderr[-2000:]

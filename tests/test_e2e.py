@@ -195,3 +195,31 @@ def test_two_workers_publish_each_stream_in_order(endpoint):
     assert finished and all(w.batches > 0 for w in workers)
     for sid in ("a", "b"):
         assert [m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == sid] == list(range(60))
+
+
+def test_noop_pool_costs_its_fixed_time_per_frame(endpoint):
+    """models.noop: no model, each frame costs per_frame_s (a sleep, whatever the machine): results on
+    topic noop.<stream>, and n frames take n x per_frame_s (what benchmarks/bench_cluster.py's capacities
+    rest on)."""
+    n, per = 20, 0.05
+    cfg = engine_config([{"id": "f", "url": f"synthetic://shapes?size=64x48&fps=30&frames={n}", "mode": "offline"}],
+                        endpoint, models={"classify": None, "noop": {"per_frame_s": per, "max_batch": 4}},
+                        publish={"min_subscribers": 1})
+    got = []
+
+    def read(sub):
+        while (m := sub.recv(20)) is not None:
+            got.append(m)
+            if m["type"] == "event" and m["kind"] == "eos":
+                return
+    with Subscriber(endpoint, ["noop.", "event."]) as sub:
+        t = threading.Thread(target=read, args=(sub,), daemon=True)
+        t.start()
+        eng, finished = run_engine(cfg)
+        t.join(25)
+    results = [(m["seq"], m) for m in got if m["type"] == "noop"]
+    assert finished and sorted(s for s, _ in results) == list(range(n))
+    assert set(results[0][1]) == {"v", "type", "stream", "seq", "pts", "t_capture", "t_publish", "latency_ms", "weights"}
+    span = results[-1][1]["t_publish"] - results[0][1]["t_capture"]
+    assert span >= (n - 4) * per, span  # the first batch (up to 4 frames) may be done before the clock starts
+    assert eng.pools["noop"].scheduler.latency.measured()[1] == pytest.approx(per, abs=0.02)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 from streams import redact_url
 
 from ..config import ClusterConfig, StreamConfig, build_config
-from .placement import EngineLoad, choose, place, stream_fps
+from .placement import EngineLoad, choose, engines_that_fit, place, stream_fps
 
 log = logging.getLogger("vidar.cluster")
 
@@ -127,7 +127,13 @@ class Controller:
         from .engine_actor import NORMAL_PRIORITY, EngineActor
         remote = ray.remote(EngineActor)
         for node in nodes:
-            for name in self._engine_names(node["NodeID"]):
+            names = self._engine_names(node["NodeID"])
+            fit, why = engines_that_fit(node.get("Resources", {}), per_node=len(names), gpus=self.cc.engine_gpus,
+                                        cpus=self.cc.engine_cpus)
+            for name in names[fit:]:  # Ray would keep them pending for ever, with no error
+                if name not in self.engines and name not in self.starting:
+                    self.pending[name] = f"not started: {why}"
+            for name in names[:fit]:
                 if name in self.engines or name in self.starting or self._find(name, node["NodeID"]):
                     continue
                 try:

@@ -50,11 +50,25 @@ def connect(address: Optional[str], namespace: str):
         if address and address.split(":")[0] in ("127.0.0.1", "localhost"):
             kwargs["_node_ip_address"] = "127.0.0.1"
         try:
+            if address:
+                _probe(address)
             ray.init(address=address or "auto", **kwargs)
-        except (ConnectionError, RuntimeError, ValueError) as err:
-            raise ConfigError(f"cluster.address: cannot connect to Ray at {address or 'auto'}: {err} "
-                              "(start it with `vidar cluster up --head`)") from None
+        except (ConnectionError, RuntimeError, ValueError, OSError) as err:
+            raise ConfigError(f"cluster.address: cannot reach the Ray head at {address or 'auto'}: {err} (start it "
+                              "with `vidar cluster up --head`; a head that died took the vidar cluster with it: "
+                              "README, Scale-out, known limits)") from None
     return ray
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    """A TCP connect to the head's GCS port first: `ray.init` against a head that is gone retries for
+    minutes (measured: `vidar cluster status` still waiting after 300 s), a refused connect fails at once."""
+    import socket
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return  # not HOST:PORT (e.g. ray://...): left to ray.init
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        pass
 
 
 def controller(ray, tree: dict, cc: ClusterConfig, create: bool = True):
@@ -114,6 +128,8 @@ class ClusterDriver:
                 raise ConfigError(f"cluster: the controller did not start within {START_S:g} s "
                                   "(is the cluster overloaded? `ray status` shows its resources)") from None
             self._wait_engines()
+            for name, why in self.engines().get("pending", {}).items():
+                log.warning("engine %s: %s", name, why)
             self._follow()
             for s in self.cfg.streams:
                 self._apply({"op": "add_stream", "stream": s.model_dump(exclude_none=True)}, f"streams.{s.id}")

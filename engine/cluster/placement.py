@@ -91,3 +91,20 @@ def place(e: EngineLoad, pools: list[str], fps: float, now: float = 0.0) -> None
     """Count a stream placed on `e` until the reports show the load it brings (see `settle`)."""
     for p, c in cost(e, pools, fps).items():
         e.placed.append((now, p, c))
+
+
+def engines_that_fit(resources: dict, *, per_node: int, gpus: float, cpus: float) -> tuple[int, str]:
+    """How many of a node's `per_node` engines its resources (Ray's totals for the node) can hold, and
+    why not all ("" when all fit). Ray keeps an actor that fits nowhere pending with no error, so the
+    controller never starts those beyond what fits: it reports them with this reason instead."""
+    fit, why = per_node, ""
+    for key, need in (("GPU", gpus), ("CPU", cpus)):
+        if need <= 0:
+            continue
+        have = float(resources.get(key, 0.0))
+        n = int(have / need + 1e-9)
+        if n < fit:
+            fit = n
+            why = (f"the node has {have:g} {key}, {n} engine(s) of {need:g} {key} fit (cluster.engines_per_node="
+                   f"{per_node}, cluster.engine_{key.lower()}s={need:g})")
+    return fit, why

@@ -1,4 +1,5 @@
-"""A worker with no model: measures engine overhead, and stands in for models in fault tests.
+"""A worker with no model: measures engine overhead, stands in for models in fault tests, and serves the
+`models.noop` pool (a fixed cost per frame, for benchmarks and sizing).
 
 `latency_s` sleeps per batch (plus `per_frame_s` per frame); `fail_on_batch=N` raises on
 the N-th batch (1-based); `hang_on_batch=N` blocks on the N-th batch until released.
@@ -42,3 +43,14 @@ class NullWorker(Worker):
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         return {b: self.latency_s + self.per_frame_s * b for b in batch_sizes}
+
+
+def build_pool(cfg, *, workers=None, factory=None):
+    """The `noop` pool: `cfg.workers` NullWorkers sleeping `cfg.per_frame_s` per frame."""
+    from .registry import PoolSpec
+
+    def make() -> NullWorker:
+        return NullWorker(kind="noop", per_frame_s=cfg.per_frame_s)
+    if workers is None:
+        workers, factory = [make() for _ in range(cfg.workers)], factory or make
+    return PoolSpec("noop", workers, factory, cfg.max_batch)

@@ -13,7 +13,7 @@ from ..tuning import ThreadPlan
 from .base import OutputProcessor, Worker
 
 # pool name (the `models.<name>` key, the message type and topic prefix) -> module with build_pool
-FAMILIES = {"classify": "engine.workers.classify", "sam2": "engine.workers.sam2"}
+FAMILIES = {"classify": "engine.workers.classify", "sam2": "engine.workers.sam2", "noop": "engine.workers.null"}
 # control ops served by a family's output processor, for the error that says which pool is missing
 FAMILY_OPS = {"sam2": ("add_object", "remove_object", "reset_stream")}
 
