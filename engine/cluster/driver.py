@@ -127,8 +127,7 @@ class ClusterDriver:
             except ray.exceptions.GetTimeoutError:
                 raise ConfigError(f"cluster: the controller did not start within {START_S:g} s "
                                   "(is the cluster overloaded? `ray status` shows its resources)") from None
-            self._wait_engines()
-            for name, why in self.engines().get("pending", {}).items():
+            for name, why in self._wait_engines().get("pending", {}).items():
                 log.warning("engine %s: %s", name, why)
             self._follow()
             for s in self.cfg.streams:
@@ -145,14 +144,15 @@ class ClusterDriver:
             t.start()
             self._threads.append(t)
 
-    def _wait_engines(self, timeout: float = 2 * START_S) -> None:
-        """Until every engine the controller started is up (model loading takes a while)."""
+    def _wait_engines(self, timeout: float = 2 * START_S) -> dict:
+        """Until every engine the controller started is up (model loading takes a while); the last
+        list_engines reply (with the engines that will not start, and why)."""
         end = time.monotonic() + timeout
         while True:
             reply = self.engines()
             starting = [n for n, why in reply.get("pending", {}).items() if why.startswith("starting")]
             if reply.get("ok") and reply["engines"] and not starting:
-                return
+                return reply
             if time.monotonic() > end:
                 raise ConfigError(f"cluster: no engine came up within {timeout:g} s: {reply.get('pending') or reply}")
             time.sleep(0.5)
