@@ -61,6 +61,9 @@ class WorkerThread:
         self.abandoned = False  # set by the watchdog (under the ledger lock)
         self.current: Optional[Batch] = None
         self.busy_since: Optional[float] = None
+        # (seconds busy in finished batches, start of the running batch or None): one tuple, replaced
+        # whole, so the core thread reads a consistent pair while this worker's thread updates it
+        self._busy: tuple[float, Optional[float]] = (0.0, None)
         self._level = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
@@ -69,7 +72,13 @@ class WorkerThread:
         """Core thread, ledger lock held, only when idle: the inbox is empty, so this never blocks."""
         self.idle = False
         self.current, self.busy_since = batch, self._clock()
+        self._busy = (self._busy[0], self.busy_since)
         self._inbox.put_nowait(batch)
+
+    def busy_seconds(self, now: float) -> float:
+        """Seconds this slot has spent running batches (dispatch to idle again), the running one up to `now`."""
+        done, since = self._busy
+        return done + (max(0.0, now - since) if since is not None else 0.0)
 
     def stop(self, timeout: float) -> bool:
         """True once the thread has ended. A thread abandoned by an abort (its batch was taken back) ends
@@ -97,6 +106,8 @@ class WorkerThread:
                 return
             if res.fail_reason is not None:
                 self._rebuild()
+            done, since = self._busy
+            self._busy = (done + max(0.0, self._clock() - since) if since is not None else done, None)
             self.busy_since = None
             self.idle = True
             self._wake()

@@ -52,3 +52,8 @@ class LatencyModel:
 
     def measured(self) -> dict[int, float]:
         return {b: self._at(b) for b in self._sizes}
+
+    def mean(self, batch_size: int) -> float:
+        """The mean run time measured at this batch size (0.0 if never run): a cost, where `estimate` is
+        a high quantile for deadlines (mean + k deviations: a first measurement alone reads 20 % above)."""
+        return self._mean.get(int(batch_size), 0.0)

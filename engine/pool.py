@@ -133,7 +133,7 @@ class Pool:
         self.slots.watchdog(now)
         self.output.check_hung(now, self._batch_timeout_s)
         runners = self.slots.runners
-        self.qos.step(now, busy_workers=sum(not r.idle for r in runners), workers=len(runners))
+        self.qos.step(now, busy_s=self.slots.busy_seconds(now), workers=len(runners))
         wake_at = None
         with self.acct.lock:
             self._pull(now)

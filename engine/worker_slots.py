@@ -33,6 +33,7 @@ class WorkerSlots:
         self._metrics, self._wake, self._clock = metrics, wake, clock
         self.runners: list[WorkerThread] = []
         self.rebuilds = 0  # worker instances replaced after a failed or hung batch
+        self.frames_run = 0  # frames whose batch a worker finished (the cluster's cost per frame reads it)
         acct.add_holder("workers", self.held)
 
     @property
@@ -68,6 +69,10 @@ class WorkerSlots:
     def idle(self) -> Optional[WorkerThread]:
         return next((r for r in self.runners if r.idle and not r.abandoned), None)
 
+    def busy_seconds(self, now: float) -> float:
+        """Worker-seconds spent running batches by the current slots (a replaced slot's past goes with it)."""
+        return sum(r.busy_seconds(now) for r in self.runners)
+
     def held(self) -> Counter:
         return Counter(fv.meta.stream for r in self.runners if r.current is not None for fv in r.current.frames)
 
@@ -87,6 +92,7 @@ class WorkerSlots:
             if runner.abandoned or runner.current is not res.batch:
                 return False
             runner.current = None
+            self.frames_run += len(res.frames)
             self._output.submit(res)
         if self._metrics and res.fail_reason is None:
             for _ in res.frames:

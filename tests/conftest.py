@@ -7,6 +7,7 @@ GPU tests are marked `gpu`: skipped without CUDA, and failing loudly when VIDAR_
 from __future__ import annotations
 
 import os
+import time
 import socket
 from pathlib import Path
 
@@ -62,6 +63,16 @@ def clip48(tmp_path_factory) -> Path:
 def decode_all(path: Path) -> list[np.ndarray]:
     with av.open(str(path)) as c:
         return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+
+
+def wait_for(cond, timeout: float, step: float = 0.05) -> bool:
+    """Poll `cond` until it is true or `timeout` seconds pass; whether it came true."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(step)
+    return False
 
 
 def engine_config(streams: list[dict], endpoint: str, **sections):

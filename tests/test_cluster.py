@@ -20,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from engine.cluster.placement import EngineLoad, choose, engines_that_fit, place, stream_fps
+from engine.cluster.placement import EngineLoad, choose, engines_that_fit, measured_streams, place, stream_fps
 from tests.conftest import free_port
 
 # generous: the module's first test includes starting the cluster (3 Ray nodes, the controller, 2 engines
@@ -83,6 +83,54 @@ def test_placed_streams_count_until_the_next_report():
         place(e, ["classify"], 10)
         picks.append(e.name)
     assert picks == ["a", "b", "a", "b"]  # not all on the emptiest: what was placed counts
+
+
+def test_a_placed_stream_s_estimate_counts_until_a_report_measures_it():
+    """After a report, the estimate of a stream that ran through its whole interval is dropped (its load is
+    in the measured busy share: counting both refused streams the engine could take, 7 of 9 placed in
+    bench_cluster), as is a removed stream's; a stream still opening keeps its estimate, up to max_s."""
+    e = _e("a", 0.0, frame_s=0.02)
+    for sid in ("old", "opening", "removed"):
+        place(e, ["classify"], 10, now=0.0, stream=sid)
+    assert e.load("classify") == pytest.approx(0.6)
+
+    def rep(**ingested):
+        return {"streams": {s: {"counts": {"classify": {"ingested": n}}} for s, n in ingested.items()}}
+    before, now = rep(old=12, opening=0, removed=3), rep(old=22, opening=0)
+    measured = measured_streams(before, now)
+    assert measured == {"old"}
+    e.busy = {"classify": 0.2}  # the report: "old" ran the whole interval
+    e.settle(1.0, running=set(now["streams"]), measured=measured, max_s=30)
+    assert e.load("classify") == pytest.approx(0.2 + 0.2)  # measured "old" + the estimate of "opening"
+    e.settle(31.0, running={"old", "opening"}, measured=set(), max_s=30)
+    assert e.load("classify") == pytest.approx(0.2)  # a source that never opens stops holding room
+
+
+def test_an_engine_reports_the_cost_per_frame_its_workers_spent_at_the_batch_sizes_they_ran():
+    """A stream's estimated cost is fps x the pool's cost per frame. Measured from the workers' busy time
+    over the frames they ran, it is what the streams cost at the batch sizes they make: a worker at
+    40 ms a batch + 10 ms a frame serving 4 streams of 10 fps must batch (~3 frames), ~25 ms a frame,
+    half its batch-1 time (the estimate before the first measurement: the mean, not the scheduler's
+    deadline quantile, which reads 20 % above after one warm-up batch)."""
+    from engine.cluster.engine_actor import EngineActor
+    from engine.engine import Engine
+    from engine.workers.null import NullWorker
+    from tests.conftest import engine_config
+    cfg = engine_config([{"id": f"c{i}", "url": "synthetic://shapes?size=64x48&fps=10"} for i in range(4)],
+                        f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 1000})
+    actor = object.__new__(EngineActor)  # its report without Ray: the engine is all it reads
+    actor.engine, actor._last, actor._cost = Engine(cfg, workers={"classify": NullWorker(latency_s=0.04, per_frame_s=0.01)}), {}, {}
+    actor.engine.start()
+    try:
+        b1 = actor.report()["frame_s"]["classify"]
+        end = time.monotonic() + 30
+        while actor.engine.pools["classify"].slots.frames_run < 60 and time.monotonic() < end:
+            time.sleep(0.5)
+            got = actor.report()["frame_s"]["classify"]
+    finally:
+        actor.engine.stop()
+    assert b1 == pytest.approx(0.05, rel=0.1)  # the mean batch-1 time (warm-up) until frames are measured
+    assert 0.0125 <= got <= 0.035, got  # batches of 2-4: 30-20 ms and 12.5 ms at the most
 
 
 def test_stream_fps_from_the_url():

@@ -12,7 +12,7 @@ from engine.config import ClassifyConfig as VitConfig
 from engine.engine import Engine
 from engine.workers.classify import ClassifierWorker
 from engine.workers.null import NullWorker
-from tests.conftest import decode_all, engine_config, write_clip
+from tests.conftest import decode_all, engine_config, wait_for, write_clip
 from tests.test_classify import seeded_model, timm_reference
 
 
@@ -223,3 +223,31 @@ def test_noop_pool_costs_its_fixed_time_per_frame(endpoint):
     span = results[-1][1]["t_publish"] - results[0][1]["t_capture"]
     assert span >= (n - 4) * per, span  # the first batch (up to 4 frames) may be done before the clock starts
     assert eng.pools["noop"].scheduler.latency.measured()[1] == pytest.approx(per, abs=0.02)
+
+
+def test_a_pool_s_busy_share_is_the_time_its_workers_spent_on_batches(endpoint):
+    """The busy share the ladder and the cluster's placement read: worker-seconds spent on batches over
+    worker-seconds available. A live stream at 10 fps into a pool that sleeps 30 ms a frame keeps its
+    worker busy ~0.3 of the time; counting the workers busy at each step showed 0.0 (the step a finished
+    batch wakes sees its worker idle, and the core slept through the batch, so none of it was counted)."""
+    per, fps = 0.03, 10
+    cfg = engine_config([{"id": "live", "url": f"synthetic://shapes?size=64x48&fps={fps}"}], endpoint,
+                        models={"classify": None, "noop": {"per_frame_s": per, "max_batch": 4}},
+                        budget={"latency_ms": 1000})
+    eng = Engine(cfg)
+    eng.start()
+    try:
+        pool = eng.pools["noop"]
+        assert wait_for(lambda: pool.acct.snapshot("live").published >= 3, 20)
+        b0, c0 = pool.qos.busy()
+        n0 = pool.acct.snapshot("live").published
+        time.sleep(3.0)
+        b1, c1 = pool.qos.busy()
+        n1 = pool.acct.snapshot("live").published
+    finally:
+        eng.stop()
+    share, frames = (b1 - b0) / (c1 - c0), n1 - n0
+    # each published frame slept `per` on the worker (a batch may straddle either end of the window)
+    lower = (frames - 2) * per / (c1 - c0)
+    assert frames >= 10 and lower <= share <= min(1.0, 2 * (frames + 2) * per / (c1 - c0) + 0.05), (share, frames)
+

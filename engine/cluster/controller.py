@@ -32,13 +32,13 @@ from pydantic import ValidationError
 from streams import redact_url
 
 from ..config import ClusterConfig, StreamConfig, build_config
-from .placement import EngineLoad, choose, engines_that_fit, place, stream_fps
+from .placement import EngineLoad, choose, engines_that_fit, measured_streams, place, stream_fps
 
 log = logging.getLogger("vidar.cluster")
 
 CONTROLLER = "vidar-controller"
 CALL_S = 20.0   # an engine call the controller waits for (add_stream opens the source, re-adds prompts)
-SETTLE_S = 3.0  # a placed stream's estimated cost counts this long, until its measured load shows
+SETTLE_MAX_S = 30.0  # a placed stream's estimated cost counts until a report measures it, at most this long
 ODD_REPORTS = 4  # reports in a row that disagree with the assignment before the controller acts on it
 PAST_KEPT = 8    # incarnations' last counts kept per stream
 
@@ -196,11 +196,12 @@ class Controller:
                 if "dead" in rep:
                     self._fence(e, f"engine dead: {rep['dead']}")
                     continue
+                measured = measured_streams(e.report, rep)
                 e.misses, e.report = 0, rep
                 self._reconcile(e)
                 e.load.busy, e.load.frame_s = rep["busy"], rep["frame_s"]
                 e.load.drop_share = rep["drop_share"]
-                e.load.settle(time.monotonic(), SETTLE_S)
+                e.load.settle(time.monotonic(), running=set(rep["streams"]), measured=measured, max_s=SETTLE_MAX_S)
             else:
                 e.misses += 1
                 if e.misses >= self.cc.heartbeat_misses:
@@ -290,7 +291,7 @@ class Controller:
             return f"engine {target.name} did not take stream {sid!r}: {type(err).__name__}"
         if not reply["ok"]:
             return reply["error"]
-        place(target.load, pools, fps, time.monotonic())
+        place(target.load, pools, fps, time.monotonic(), sid)
         if relocated:
             target.relocated_in += 1
         self.state["assign"][sid] = target.name

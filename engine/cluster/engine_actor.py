@@ -19,6 +19,7 @@ from ..qos import LOAD_DROPS
 
 
 OBJECT_S = 3.0  # per SAM 2 prompt re-added (the controller waits CALL_S for the whole start)
+FRAMES_TO_MEASURE = 20  # frames run between two measurements of a pool's cost per frame
 # Ray starts every worker process at niceness 15 (so that its own daemons stay responsive), which leaves
 # a real-time engine ~3 % of a core beside any process at the default niceness 0: measured, two busy
 # processes on a 2-core node kept both engines loading their models for over 6 minutes. Vidar's actors
@@ -52,6 +53,7 @@ class EngineActor:
         self.engine = Engine(engine_config(tree, self.node_ip))
         self.engine.start()
         self._last: dict[str, tuple] = {}
+        self._cost: dict[str, tuple] = {}  # pool -> (busy s, frames run, cost per frame) at the last measurement
         self.started = time.time()
 
     def info(self) -> dict:
@@ -81,8 +83,7 @@ class EngineActor:
             b0, cap0 = self._last.get(name, (0.0, 0.0))
             self._last[name] = (b, cap)
             busy[name] = (b - b0) / (cap - cap0) if cap > cap0 else 0.0
-            measured = pool.scheduler.latency.measured()
-            frame_s[name] = measured.get(1, 0.0) / max(1, len(pool.slots.workers))
+            frame_s[name] = self._frame_s(name, pool, b)
             ing, dropped = pool.acct.totals(list(pool.acct.streams()))
             offered, d = ing - dropped[DropReason.INTERVAL.value], sum(dropped[r.value] for r in LOAD_DROPS)
             o0, d0 = self._last.get(name + "/drops", (0, 0))
@@ -90,6 +91,22 @@ class EngineActor:
             # a removed stream's counters go with it: a negative difference is no interval to judge
             drop_share[name] = (d - d0) / (offered - o0) if offered - o0 > 0 and d >= d0 else 0.0
         return {"streams": streams, "busy": busy, "frame_s": frame_s, "drop_share": drop_share}
+
+    def _frame_s(self, name: str, pool, busy_s: float) -> float:
+        """A pool's cost per frame in busy-share units (worker-seconds per frame / workers): what its
+        workers spent per frame over its last FRAMES_TO_MEASURE frames or more, at the batch sizes its
+        streams make; before that, the mean batch-1 time the scheduler measured (its deadline estimate,
+        a high quantile, read 60 ms for a 50 ms frame: a fresh engine refused a third stream that fit
+        until its reports showed the load)."""
+        workers = max(1, len(pool.slots.workers))
+        n = pool.slots.frames_run
+        b0, n0, est = self._cost.get(name, (0.0, 0, None))
+        if n - n0 >= FRAMES_TO_MEASURE and busy_s > b0:
+            est = (busy_s - b0) / (n - n0) / workers
+            self._cost[name] = (busy_s, n, est)
+        elif name not in self._cost:
+            self._cost[name] = (busy_s, n, None)
+        return est if est is not None else pool.scheduler.latency.mean(1) / workers
 
     def add_stream(self, scfg: dict, objects: list[dict], relocated: Optional[str] = None) -> dict:
         """Start a stream (and re-add its SAM 2 objects from their prompts); `relocated`: why it moved

@@ -3,9 +3,10 @@ so it is tested with tables.
 
 An engine's load is what it measured over its last report interval: per pool, the busy share of its
 workers, raised by the share of frames it dropped for load (a pool that drops is saturated beyond
-what busy time shows), plus the estimated cost of the streams placed on it since that report. A
-stream costs, in each pool it feeds, its frame rate x the pool's time per frame (warm-up batch-1
-time / worker instances). The engine must stay under `max_load` in every pool after the addition.
+what busy time shows), plus the estimated cost of the streams placed on it that no report has
+measured yet (see `settle`). A stream costs, in each pool it feeds, its frame rate x the pool's time
+per frame (warm-up batch-1 time / worker instances). The engine must stay under `max_load` in every
+pool after the addition.
 """
 
 from __future__ import annotations
@@ -23,21 +24,24 @@ class EngineLoad:
     busy: dict[str, float] = field(default_factory=dict)     # pool -> busy share, last interval
     drop_share: dict[str, float] = field(default_factory=dict)  # pool -> load drops / frames offered, last interval
     frame_s: dict[str, float] = field(default_factory=dict)  # pool -> seconds of pool time per frame
-    placed: list = field(default_factory=list)  # (when, pool, cost) of streams placed lately
+    placed: list = field(default_factory=list)  # (when, pool, cost, stream) of streams no report has measured
     draining: bool = False
 
     @property
     def pending(self) -> dict[str, float]:
         """pool -> the estimated cost of streams placed lately, whose load the reports do not show yet."""
         out: dict[str, float] = {}
-        for _, pool, c in self.placed:
+        for _, pool, c, _ in self.placed:
             out[pool] = out.get(pool, 0.0) + c
         return out
 
-    def settle(self, now: float, settle_s: float) -> None:
-        """Forget placements older than `settle_s`: by then a stream's load is in the measured busy share
-        (clearing them at every report would not do: a stream that is still opening shows no load)."""
-        self.placed = [p for p in self.placed if now - p[0] < settle_s]
+    def settle(self, now: float, *, running: set[str], measured: set[str], max_s: float) -> None:
+        """After a report: forget the estimates of the streams whose load it measured (they ran through
+        its whole interval), of those the engine no longer runs, and of any placed more than `max_s`
+        ago (a source that never opens stops holding room). Forgetting them at a fixed age instead
+        counted a running stream twice (measured and estimated) until then, and refused streams the
+        engine could take; forgetting them at every report counts a stream still opening as free."""
+        self.placed = [p for p in self.placed if p[3] in running and p[3] not in measured and now - p[0] < max_s]
 
     def load(self, pool: str) -> float:
         return self.busy.get(pool, 0.0) + self.drop_share.get(pool, 0.0) + self.pending.get(pool, 0.0)
@@ -87,10 +91,19 @@ def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: flo
                   + ". Add a node, remove a stream, or raise cluster.max_load")
 
 
-def place(e: EngineLoad, pools: list[str], fps: float, now: float = 0.0) -> None:
+def place(e: EngineLoad, pools: list[str], fps: float, now: float = 0.0, stream: str = "") -> None:
     """Count a stream placed on `e` until the reports show the load it brings (see `settle`)."""
     for p, c in cost(e, pools, fps).items():
-        e.placed.append((now, p, c))
+        e.placed.append((now, p, c, stream))
+
+
+def measured_streams(previous: dict, report: dict) -> set[str]:
+    """The streams whose load a report measured: those that had already taken frames at the report
+    before (so they ran through the whole interval between the two). Reports as `EngineActor.report`."""
+    def took(rep: dict, sid: str) -> bool:
+        counts = rep.get("streams", {}).get(sid, {}).get("counts", {})
+        return sum(c.get("ingested", 0) for c in counts.values()) > 0
+    return {sid for sid in report.get("streams", {}) if took(previous, sid)}
 
 
 def engines_that_fit(resources: dict, *, per_node: int, gpus: float, cpus: float) -> tuple[int, str]:
