@@ -7,8 +7,8 @@ GPU tests are marked `gpu`: skipped without CUDA, and failing loudly when VIDAR_
 from __future__ import annotations
 
 import os
-import time
 import socket
+import time
 from pathlib import Path
 
 import av
