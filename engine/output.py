@@ -53,6 +53,9 @@ class OutputStage:
         self._messages: deque = deque()   # (fn, future): run between batches on this stage's thread
         self._gen = 0
         self.busy_since: Optional[float] = None
+        # (seconds spent on finished output steps, start of the running one or None), replaced whole: the
+        # core thread reads it for the pool's busy share (SAM 2's decoder stage runs here, not on a worker)
+        self._busy: tuple[float, Optional[float]] = (0.0, None)
         self._stop = False
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -97,6 +100,18 @@ class OutputStage:
             n.update(fv.meta.stream for fv in _pending(res))
         return n
 
+    def busy_seconds(self, now: float) -> float:
+        """Seconds this stage has spent on output steps, the running one up to `now`."""
+        done, since = self._busy
+        return done + (max(0.0, now - since) if since is not None else 0.0)
+
+    def _end_step(self) -> None:
+        """Ledger lock held: the running step is over (done, failed, aborted or given up as hung)."""
+        done, since = self._busy
+        if since is not None:
+            self._busy = (done + max(0.0, self._clock() - since), None)
+        self.busy_since = None
+
     def check_hung(self, now: float, timeout_s: float) -> bool:
         """Core thread: an output step running past `timeout_s` fails its batch (model_hang), and a
         new thread with the next generation takes over the stage."""
@@ -105,7 +120,8 @@ class OutputStage:
             if res is None or since is None or now - since <= timeout_s:
                 return False
             self._gen += 1
-            self._current, self.busy_since = None, None
+            self._current = None
+            self._end_step()
             for fv in _pending(res):
                 self._acct.fail(fv.meta.stream, FailReason.MODEL_HANG)
             self._next += 1
@@ -124,7 +140,8 @@ class OutputStage:
             held = [*self._inbox, *self._reorder.values(), *([self._current] if self._current else [])]
             self._inbox.clear()
             self._reorder.clear()
-            self._current, self.busy_since = None, None
+            self._current = None
+            self._end_step()
             self._stop = True
             for res in held:
                 for fv in _pending(res):
@@ -159,6 +176,7 @@ class OutputStage:
                     self._wake.clear()
                 else:
                     self._current, self.busy_since = res, self._clock()
+                    self._busy = (self._busy[0], self.busy_since)
             if res is None:
                 self._wake.wait(0.1)
                 continue
@@ -193,7 +211,8 @@ class OutputStage:
                 return
             for fv in _pending(res):
                 self._acct.fail(fv.meta.stream, reason)
-            self._current, self.busy_since = None, None
+            self._current = None
+            self._end_step()
             self._next += 1
         if res.error is None:
             res.error = err
@@ -254,7 +273,8 @@ class OutputStage:
                     self._on_drop(fv.meta.stream, DropReason.LATE)
                 else:
                     items.append((fv.meta, self.pool, self.weights, f))
-            self._current, self.busy_since = None, None
+            self._current = None
+            self._end_step()
             self._next += 1
             self._publisher.submit_results(self._acct, items)
         if keep:

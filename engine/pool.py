@@ -133,7 +133,8 @@ class Pool:
         self.slots.watchdog(now)
         self.output.check_hung(now, self._batch_timeout_s)
         runners = self.slots.runners
-        self.qos.step(now, busy_s=self.slots.busy_seconds(now), workers=len(runners))
+        self.qos.step(now, busy_s=self.slots.busy_seconds(now), output_busy_s=self.output.busy_seconds(now),
+                      workers=len(runners))
         wake_at = None
         with self.acct.lock:
             self._pull(now)

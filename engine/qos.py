@@ -29,7 +29,7 @@ class PoolQos:
         self._max_interval: dict[str, int] = {}  # live streams only
         self._taken: dict[str, int] = {}         # live frames pulled since the interval last changed
         self._interval = 1
-        self._busy_s = self._cap_s = self._busy_seen = 0.0
+        self._busy_s = self._cap_s = self._busy_seen = self._out_seen = 0.0
         self._t: Optional[float] = None
 
     # -- streams (core thread) ----------------------------------------------------------------------
@@ -68,16 +68,20 @@ class PoolQos:
             self._taken.clear()  # the next frame of every stream is processed
 
     # -- signals (core thread) -----------------------------------------------------------------------
-    def step(self, now: float, *, busy_s: float, workers: int) -> Optional[Step]:
-        """busy_s: the workers' busy seconds so far, as they measured them. (Counting the workers busy at
-        each step instead missed the batches the core slept through: the step a finished batch wakes
-        sees its worker idle. A worker busy 0.3 of the time read 0.0; the ladder's restore check and
-        the cluster's placement saw no load.) A slot replaced after a hang takes its total with it: a
-        reading below the last adds nothing."""
+    def step(self, now: float, *, busy_s: float, workers: int, output_busy_s: float = 0.0) -> Optional[Step]:
+        """busy_s: the workers' busy seconds so far, as they measured them; output_busy_s: the output
+        stage's (one thread: SAM 2's decoder stage runs there). The pool is as busy as its busier stage:
+        each step adds the larger of the two, in worker-seconds. (Counting the workers busy at each step
+        instead missed the batches the core slept through: the step a finished batch wakes sees its
+        worker idle. A worker busy 0.3 of the time read 0.0; the ladder's restore check and the
+        cluster's placement saw no load.) A slot or output thread replaced after a hang takes its total
+        with it: a reading below the last adds nothing."""
         if self._t is not None:
-            self._busy_s += max(0.0, busy_s - self._busy_seen)
+            d_work = max(0.0, busy_s - self._busy_seen)
+            d_out = max(0.0, output_busy_s - self._out_seen)
+            self._busy_s += max(d_work, d_out * workers)
             self._cap_s += (now - self._t) * workers
-        self._busy_seen = busy_s
+        self._busy_seen, self._out_seen = busy_s, output_busy_s
         self._t = now
         if self.ladder is None or not self.ladder.due(now):
             return None

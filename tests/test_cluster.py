@@ -106,31 +106,56 @@ def test_a_placed_stream_s_estimate_counts_until_a_report_measures_it():
     assert e.load("classify") == pytest.approx(0.2)  # a source that never opens stops holding room
 
 
+def _bare_actor(streams, workers):
+    """An EngineActor's report without Ray: the engine is all it reads."""
+    from engine.cluster.engine_actor import EngineActor
+    from engine.engine import Engine
+    from tests.conftest import engine_config
+    cfg = engine_config(streams, f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 1000})
+    actor = object.__new__(EngineActor)
+    actor.engine, actor._last, actor._cost, actor._ran = Engine(cfg, workers={"classify": workers}), {}, {}, {}
+    actor.engine.start()
+    return actor
+
+
 def test_an_engine_reports_the_cost_per_frame_its_workers_spent_at_the_batch_sizes_they_ran():
     """A stream's estimated cost is fps x the pool's cost per frame. Measured from the workers' busy time
     over the frames they ran, it is what the streams cost at the batch sizes they make: a worker at
     40 ms a batch + 10 ms a frame serving 4 streams of 10 fps must batch (~3 frames), ~25 ms a frame,
-    half its batch-1 time (the estimate before the first measurement: the mean, not the scheduler's
-    deadline quantile, which reads 20 % above after one warm-up batch)."""
-    from engine.cluster.engine_actor import EngineActor
-    from engine.engine import Engine
+    half its batch-1 time. Before the first measurement, and again once the pool ran nothing for a
+    report (its streams left), the estimate is that batch-1 time: the mean, not the scheduler's deadline
+    quantile (20 % above after one warm-up batch), per worker instance."""
     from engine.workers.null import NullWorker
-    from tests.conftest import engine_config
-    cfg = engine_config([{"id": f"c{i}", "url": "synthetic://shapes?size=64x48&fps=10"} for i in range(4)],
-                        f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 1000})
-    actor = object.__new__(EngineActor)  # its report without Ray: the engine is all it reads
-    actor.engine, actor._last, actor._cost = Engine(cfg, workers={"classify": NullWorker(latency_s=0.04, per_frame_s=0.01)}), {}, {}
-    actor.engine.start()
+    from tests.conftest import wait_for
+    actor = _bare_actor([{"id": f"c{i}", "url": "synthetic://shapes?size=64x48&fps=10"} for i in range(4)],
+                        NullWorker(latency_s=0.04, per_frame_s=0.01))
+    eng, cost = actor.engine, lambda: actor.report()["frame_s"]["classify"]
     try:
-        b1 = actor.report()["frame_s"]["classify"]
-        end = time.monotonic() + 30
-        while actor.engine.pools["classify"].slots.frames_run < 60 and time.monotonic() < end:
+        b1 = cost()
+        # all 4 streams feeding before the window starts (one opening late would make smaller batches)
+        assert wait_for(lambda: min(eng.pools["classify"].acct.snapshot(f"c{i}").published for i in range(4)) >= 2, 30)
+        cost()
+        start = eng.pools["classify"].slots.frames_run
+        got = b1
+        while eng.pools["classify"].slots.frames_run < start + 60 and got == b1:
             time.sleep(0.5)
-            got = actor.report()["frame_s"]["classify"]
+            got = cost()
+        for i in range(4):
+            assert eng.control({"op": "remove_stream", "stream": f"c{i}"})["ok"]
+        time.sleep(0.5)
+        cost()
+        time.sleep(0.5)
+        quiet = cost()
     finally:
-        actor.engine.stop()
+        eng.stop()
     assert b1 == pytest.approx(0.05, rel=0.1)  # the mean batch-1 time (warm-up) until frames are measured
     assert 0.0125 <= got <= 0.035, got  # batches of 2-4: 30-20 ms and 12.5 ms at the most
+    assert quiet == pytest.approx(0.05, rel=0.2), quiet  # no frames for a report: batch 1 again
+    two = _bare_actor([{"id": "slow", "url": "synthetic://shapes?size=64x48&fps=1"}], [NullWorker(latency_s=0.04, per_frame_s=0.01), NullWorker(latency_s=0.04, per_frame_s=0.01)])
+    try:
+        assert two.report()["frame_s"]["classify"] == pytest.approx(0.025, rel=0.1)  # two instances: half each
+    finally:
+        two.engine.stop()
 
 
 def test_stream_fps_from_the_url():

@@ -54,6 +54,7 @@ class EngineActor:
         self.engine.start()
         self._last: dict[str, tuple] = {}
         self._cost: dict[str, tuple] = {}  # pool -> (busy s, frames run, cost per frame) at the last measurement
+        self._ran: dict[str, int] = {}     # pool -> frames run at the last report
         self.started = time.time()
 
     def info(self) -> dict:
@@ -93,20 +94,23 @@ class EngineActor:
         return {"streams": streams, "busy": busy, "frame_s": frame_s, "drop_share": drop_share}
 
     def _frame_s(self, name: str, pool, busy_s: float) -> float:
-        """A pool's cost per frame in busy-share units (worker-seconds per frame / workers): what its
-        workers spent per frame over its last FRAMES_TO_MEASURE frames or more, at the batch sizes its
-        streams make; before that, the mean batch-1 time the scheduler measured (its deadline estimate,
-        a high quantile, read 60 ms for a 50 ms frame: a fresh engine refused a third stream that fit
-        until its reports showed the load)."""
+        """A pool's cost per frame in busy-share units (seconds of its busier stage per frame / workers):
+        what it spent per frame over its last FRAMES_TO_MEASURE frames or more, at the batch sizes its
+        streams make, never above the mean batch-1 time the scheduler measured (a hung batch's seconds
+        would otherwise price every stream out for a while). Before any, and again once the pool ran
+        nothing for a report (its streams left: a lone new stream runs at batch 1), that batch-1 time
+        itself (the mean, not the scheduler's deadline estimate, a high quantile that read 60 ms for a
+        50 ms frame: a fresh engine refused a third stream that fit until its reports showed the load)."""
         workers = max(1, len(pool.slots.workers))
+        b1 = pool.scheduler.latency.mean(1) / workers
         n = pool.slots.frames_run
         b0, n0, est = self._cost.get(name, (0.0, 0, None))
-        if n - n0 >= FRAMES_TO_MEASURE and busy_s > b0:
-            est = (busy_s - b0) / (n - n0) / workers
-            self._cost[name] = (busy_s, n, est)
-        elif name not in self._cost:
-            self._cost[name] = (busy_s, n, None)
-        return est if est is not None else pool.scheduler.latency.mean(1) / workers
+        if n == self._ran.get(name, -1):  # quiet since the last report
+            b0, n0, est = busy_s, n, None
+        elif n - n0 >= FRAMES_TO_MEASURE and busy_s > b0:
+            b0, n0, est = busy_s, n, (busy_s - b0) / (n - n0) / workers
+        self._cost[name], self._ran[name] = (b0, n0, est), n
+        return b1 if est is None else min(est, b1) if b1 > 0 else est
 
     def add_stream(self, scfg: dict, objects: list[dict], relocated: Optional[str] = None) -> dict:
         """Start a stream (and re-add its SAM 2 objects from their prompts); `relocated`: why it moved

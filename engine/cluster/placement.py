@@ -4,9 +4,9 @@ so it is tested with tables.
 An engine's load is what it measured over its last report interval: per pool, the busy share of its
 workers, raised by the share of frames it dropped for load (a pool that drops is saturated beyond
 what busy time shows), plus the estimated cost of the streams placed on it that no report has
-measured yet (see `settle`). A stream costs, in each pool it feeds, its frame rate x the pool's time
-per frame (warm-up batch-1 time / worker instances). The engine must stay under `max_load` in every
-pool after the addition.
+measured yet (see `settle`). A stream costs, in each pool it feeds, its frame rate x the pool's cost
+per frame as the engine measures it (`EngineActor._frame_s`: its busier stage's seconds per frame /
+worker instances). The engine must stay under `max_load` in every pool after the addition.
 """
 
 from __future__ import annotations
