@@ -60,7 +60,6 @@ class WorkerThread:
         self.idle = True
         self.abandoned = False  # set by the watchdog (under the ledger lock)
         self.current: Optional[Batch] = None
-        self.busy_since: Optional[float] = None
         # (seconds busy in finished batches, start of the running batch or None): one tuple, replaced
         # whole, so the core thread reads a consistent pair while this worker's thread updates it
         self._busy: tuple[float, Optional[float]] = (0.0, None)
@@ -71,9 +70,14 @@ class WorkerThread:
     def submit(self, batch: Batch) -> None:
         """Core thread, ledger lock held, only when idle: the inbox is empty, so this never blocks."""
         self.idle = False
-        self.current, self.busy_since = batch, self._clock()
-        self._busy = (self._busy[0], self.busy_since)
+        self.current = batch
+        self._busy = (self._busy[0], self._clock())
         self._inbox.put_nowait(batch)
+
+    @property
+    def busy_since(self) -> Optional[float]:
+        """When the running batch started (None: idle)."""
+        return self._busy[1]
 
     def busy_seconds(self, now: float) -> float:
         """Seconds this slot has spent running batches (dispatch to idle again), the running one up to `now`."""
@@ -108,7 +112,6 @@ class WorkerThread:
                 self._rebuild()
             done, since = self._busy
             self._busy = (done + max(0.0, self._clock() - since) if since is not None else done, None)
-            self.busy_since = None
             self.idle = True
             self._wake()
 

@@ -52,7 +52,6 @@ class OutputStage:
         self._streams: set[str] = set()   # streams whose frames are processed; others are dropped
         self._messages: deque = deque()   # (fn, future): run between batches on this stage's thread
         self._gen = 0
-        self.busy_since: Optional[float] = None
         # (seconds spent on finished output steps, start of the running one or None), replaced whole: the
         # core thread reads it for the pool's busy share (SAM 2's decoder stage runs here, not on a worker)
         self._busy: tuple[float, Optional[float]] = (0.0, None)
@@ -100,6 +99,11 @@ class OutputStage:
             n.update(fv.meta.stream for fv in _pending(res))
         return n
 
+    @property
+    def busy_since(self) -> Optional[float]:
+        """When the running batch started (None: idle)."""
+        return self._busy[1]
+
     def busy_seconds(self, now: float) -> float:
         """Seconds this stage has spent on output steps, the running one up to `now`."""
         done, since = self._busy
@@ -110,7 +114,6 @@ class OutputStage:
         done, since = self._busy
         if since is not None:
             self._busy = (done + max(0.0, self._clock() - since), None)
-        self.busy_since = None
 
     def check_hung(self, now: float, timeout_s: float) -> bool:
         """Core thread: an output step running past `timeout_s` fails its batch (model_hang), and a
@@ -175,8 +178,8 @@ class OutputStage:
                         return
                     self._wake.clear()
                 else:
-                    self._current, self.busy_since = res, self._clock()
-                    self._busy = (self._busy[0], self.busy_since)
+                    self._current = res
+                    self._busy = (self._busy[0], self._clock())
             if res is None:
                 self._wake.wait(0.1)
                 continue
