@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .busy import BusyTime
 from .frame import FailReason
 from .ring import FrameView
 from .threads import set_intra_op_threads
@@ -60,9 +61,7 @@ class WorkerThread:
         self.idle = True
         self.abandoned = False  # set by the watchdog (under the ledger lock)
         self.current: Optional[Batch] = None
-        # (seconds busy in finished batches, start of the running batch or None): one tuple, replaced
-        # whole, so the core thread reads a consistent pair while this worker's thread updates it
-        self._busy: tuple[float, Optional[float]] = (0.0, None)
+        self._busy = BusyTime(self._clock)  # dispatch to idle again, per batch
         self._level = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
@@ -71,18 +70,17 @@ class WorkerThread:
         """Core thread, ledger lock held, only when idle: the inbox is empty, so this never blocks."""
         self.idle = False
         self.current = batch
-        self._busy = (self._busy[0], self._clock())
+        self._busy.start()
         self._inbox.put_nowait(batch)
 
     @property
     def busy_since(self) -> Optional[float]:
         """When the running batch started (None: idle)."""
-        return self._busy[1]
+        return self._busy.since
 
     def busy_seconds(self, now: float) -> float:
         """Seconds this slot has spent running batches (dispatch to idle again), the running one up to `now`."""
-        done, since = self._busy
-        return done + (max(0.0, now - since) if since is not None else 0.0)
+        return self._busy.seconds(now)
 
     def stop(self, timeout: float) -> bool:
         """True once the thread has ended. A thread abandoned by an abort (its batch was taken back) ends
@@ -110,8 +108,7 @@ class WorkerThread:
                 return
             if res.fail_reason is not None:
                 self._rebuild()
-            done, since = self._busy
-            self._busy = (done + max(0.0, self._clock() - since) if since is not None else done, None)
+            self._busy.end()
             self.idle = True
             self._wake()
 

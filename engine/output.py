@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 from .accounting import Accounting
+from .busy import BusyTime
 from .executor import BatchResult
 from .threads import set_intra_op_threads
 from .faults import FaultPolicy
@@ -52,9 +53,8 @@ class OutputStage:
         self._streams: set[str] = set()   # streams whose frames are processed; others are dropped
         self._messages: deque = deque()   # (fn, future): run between batches on this stage's thread
         self._gen = 0
-        # (seconds spent on finished output steps, start of the running one or None), replaced whole: the
-        # core thread reads it for the pool's busy share (SAM 2's decoder stage runs here, not on a worker)
-        self._busy: tuple[float, Optional[float]] = (0.0, None)
+        # read by the core for the pool's busy share: SAM 2's decoder stage runs here, not on a worker
+        self._busy = BusyTime(self._clock)
         self._stop = False
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -102,18 +102,11 @@ class OutputStage:
     @property
     def busy_since(self) -> Optional[float]:
         """When the running batch started (None: idle)."""
-        return self._busy[1]
+        return self._busy.since
 
     def busy_seconds(self, now: float) -> float:
         """Seconds this stage has spent on output steps, the running one up to `now`."""
-        done, since = self._busy
-        return done + (max(0.0, now - since) if since is not None else 0.0)
-
-    def _end_step(self) -> None:
-        """Ledger lock held: the running step is over (done, failed, aborted or given up as hung)."""
-        done, since = self._busy
-        if since is not None:
-            self._busy = (done + max(0.0, self._clock() - since), None)
+        return self._busy.seconds(now)
 
     def check_hung(self, now: float, timeout_s: float) -> bool:
         """Core thread: an output step running past `timeout_s` fails its batch (model_hang), and a
@@ -124,7 +117,7 @@ class OutputStage:
                 return False
             self._gen += 1
             self._current = None
-            self._end_step()
+            self._busy.end()
             for fv in _pending(res):
                 self._acct.fail(fv.meta.stream, FailReason.MODEL_HANG)
             self._next += 1
@@ -144,7 +137,7 @@ class OutputStage:
             self._inbox.clear()
             self._reorder.clear()
             self._current = None
-            self._end_step()
+            self._busy.end()
             self._stop = True
             for res in held:
                 for fv in _pending(res):
@@ -179,7 +172,7 @@ class OutputStage:
                     self._wake.clear()
                 else:
                     self._current = res
-                    self._busy = (self._busy[0], self._clock())
+                    self._busy.start()
             if res is None:
                 self._wake.wait(0.1)
                 continue
@@ -215,7 +208,7 @@ class OutputStage:
             for fv in _pending(res):
                 self._acct.fail(fv.meta.stream, reason)
             self._current = None
-            self._end_step()
+            self._busy.end()
             self._next += 1
         if res.error is None:
             res.error = err
@@ -277,7 +270,7 @@ class OutputStage:
                 else:
                     items.append((fv.meta, self.pool, self.weights, f))
             self._current = None
-            self._end_step()
+            self._busy.end()
             self._next += 1
             self._publisher.submit_results(self._acct, items)
         if keep:
