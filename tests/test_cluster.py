@@ -193,13 +193,16 @@ def cluster():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+CAM_FPS = 10  # the classify streams' source rate
+
+
 @pytest.fixture(scope="module")
 def driver(cluster, tmp_path_factory):
     from engine.cluster.driver import ClusterDriver
     from engine.config import build_config
     from tests.sam2_ref import make_checkpoint
     ckpt = make_checkpoint(tmp_path_factory.mktemp("sam2") / "ck.pt")
-    tree = {"streams": [{"id": f"cam{i}", "url": "synthetic://shapes?size=96x64&fps=10", "pools": ["classify"]}
+    tree = {"streams": [{"id": f"cam{i}", "url": f"synthetic://shapes?size=96x64&fps={CAM_FPS}", "pools": ["classify"]}
                         for i in range(4)]
             + [{"id": "track", "url": "synthetic://shapes?size=160x120&fps=2", "pools": ["sam2"]}],
             "objects": [{"stream": "track", "id": 1, "box": [40, 30, 100, 80]}],
@@ -414,7 +417,7 @@ def test_a_dead_node_s_sam2_stream_moves_with_its_prompt(driver, cluster):
     others = sorted(s for s, v in _streams(driver).items() if v["node"] != host)
     lost0 = _streams(driver)["track"]["lost"].get("sam2_banks", 0)  # an earlier test may have moved it too
     with _subscriber(driver) as sub:
-        time.sleep(1.0)
+        _receive(sub, 1.0)  # read, not slept: a second queued in the socket would count in the rate below
         before = _rates(sub, others, 4.0)
         t0 = time.monotonic()
         c.remove_node(node, allow_graceful=False)
@@ -424,8 +427,11 @@ def test_a_dead_node_s_sam2_stream_moves_with_its_prompt(driver, cluster):
             after = _rates(sub, others, 4.0)
         finally:  # capacity back for the next tests, whatever happens here
             c.add_node(node_ip_address="127.0.0.1", num_cpus=2, num_gpus=1, labels={"zone": "c"})
-    # the streams that were elsewhere keep their rate (within 20 %) while the dead node's streams join them
-    assert others and all(after[s] >= 0.8 * before[s] for s in others), (before, after)
+    # the streams that were elsewhere keep their rate (within 20 %) while the dead node's streams join them.
+    # Their rate before is capped at the source's: more than it sends is a backlog draining (results may
+    # lag up to the 5 s budget, e.g. after an earlier move), not the rate to keep.
+    ref = {s: min(before[s], CAM_FPS) for s in others}
+    assert others and all(after[s] >= 0.8 * ref[s] for s in others), (before, after)
     ev = [(t - t0, m) for t, m in msgs if m["stream"] == "track" and m["type"] == "event" and m["kind"] == "relocated"]
     assert ev and ev[0][0] < 10 and "died" in ev[0][1]["reason"], [m for _, m in msgs if m["type"] == "event"]
     masks = [m for t, m in msgs if m["stream"] == "track" and m["type"] == "sam2" and t - t0 > ev[0][0]]
