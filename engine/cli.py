@@ -29,6 +29,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print("vidar: the cluster: section is for `vidar cluster run`; `vidar run` runs one engine here", flush=True)
     from .memory import limit_malloc_arenas
     limit_malloc_arenas(cfg.malloc_arenas)  # before any thread of ours exists (Engine.start does it again)
+    _raise_fd_limit()
     import torch
     if torch.cuda.is_available():
         print(f"vidar: GPU {torch.cuda.get_device_name(0)}", flush=True)
@@ -44,7 +45,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"vidar: pools: {'; '.join(pools)}; budget {cfg.budget.latency_ms:g} ms; results on {cfg.publish.endpoint}"
           + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),
           flush=True)
+    if cfg.metrics.enabled and cfg.metrics.token_generated:  # `auto` made one nobody knows yet: say it once
+        print(f"vidar: metrics need the header Authorization: Bearer {cfg.metrics.token}", flush=True)
     return run(Engine(cfg))
+
+
+def _raise_fd_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit (as Go's runtime and nginx's worker_rlimit_nofile do): every
+    camera, subscriber and page holds descriptors, and a flood of connections that never finish their
+    handshake (ZeroMQ has no connection cap) exhausts a low soft limit (1024 on many systems) first."""
+    import resource
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            logging.getLogger("vidar").debug("file descriptor limit raised from %d to %d", soft, want)
+    except (ValueError, OSError):  # not permitted here: the view's cap follows the limit there is
+        pass
 
 
 def _human(msg: dict) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError
 
@@ -26,6 +26,9 @@ class _Strict(BaseModel):
 
 
 STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: Object ids are non-negative 31-bit integers: they travel in every SAM 2 result (msgpack, JSON, the
+#: page's JavaScript numbers), and an unbounded one (10**30) was taken, then killed the publisher.
+MAX_OBJECT_ID = 2**31 - 1
 
 
 class StreamConfig(_Strict):
@@ -201,8 +204,9 @@ class ModelsConfig(_Strict):
 class ObjectConfig(_Strict):
     stream: str
     """Stream id the object belongs to."""
-    id: int = Field(ge=0)
-    """Object id, unique within the stream."""
+    id: int = Field(ge=0, le=MAX_OBJECT_ID, strict=True)
+    """Object id, unique within the stream: an integer 0 <= id <= 2**31 - 1 (a JSON `true` or `1.0` is
+    refused, not read as 1)."""
     box: Optional[list[float]] = Field(None, min_length=4, max_length=4)
     """[x0, y0, x1, y1] in pixels of the stream's frames."""
     points: Optional[list[list[float]]] = None
@@ -247,6 +251,18 @@ class RingConfig(_Strict):
     """At most this many slots (a live stream needs max_batch plus a few; more only buys decode-ahead)."""
     max_frame_pixels: int = Field(8192 * 8192, gt=0)
     """Frames larger than this are rejected before any allocation."""
+    total_memory_mb: float | Literal["auto"] = "auto"
+    """Frame memory of every stream's rings together. A stream whose slots would not fit is refused
+    (`add_stream` answers with the numbers when its source knows its frame size up front, as synthetic
+    ones do; otherwise it fails with an `error` event at its first frame); the others never notice.
+    `auto`: a quarter of the machine's physical memory."""
+
+    @field_validator("total_memory_mb")
+    @classmethod
+    def _positive(cls, v):
+        if v != "auto" and not v > 0:
+            raise ValueError(f"must be a number of MB > 0 or `auto`, got {v!r}")
+        return v
 
 
 class SourceConfig(_Strict):
@@ -276,6 +292,11 @@ class FaultsConfig(_Strict):
 class SecurityConfig(_Strict):
     curve: bool = False
     """Encrypt and authenticate the publisher and the control socket with ZeroMQ CURVE."""
+    allow_insecure_bind: bool = False
+    """Let a socket listen on a network (non-loopback) address without its guard (CURVE for the publisher
+    and the control socket, a token for the view and the metrics): refused at start otherwise, because
+    anyone who reaches the control socket or the view can make the engine open any URL or local file.
+    When true, every start logs a warning naming the open sockets. For a private network you trust."""
     server_key: Optional[str] = None
     """The server's secret certificate (server.key_secret from `vidar keys DIR`)."""
     authorized_clients: Optional[str] = None
@@ -296,6 +317,27 @@ class MetricsConfig(_Strict):
     """Bind address of the metrics endpoint."""
     port: int = Field(9108, ge=0, le=65535)
     """Port of the metrics endpoint (/metrics)."""
+    token: Optional[str] = Field(None, min_length=16)
+    """Bearer token scrapers must send (`Authorization: Bearer <token>`; Prometheus: `authorization:
+    {credentials: ...}`); needed for any address but loopback. `auto`: a random one per run, printed at
+    start (a token you set is never printed). None: no token (loopback only; requests must then name a
+    loopback host, as the view's)."""
+
+    _generated: bool = PrivateAttr(False)  # the token was `auto`: printed at start, as nobody knows it yet
+    _token = field_validator("token", mode="before")(lambda cls, v: _auto_token(v))
+    _strong = field_validator("token")(lambda cls, v: _strong_token(v))
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_auto(cls, data: Any, handler):
+        out = handler(data)
+        if isinstance(data, dict) and data.get("token") == "auto":
+            out._generated = True
+        return out
+
+    @property
+    def token_generated(self) -> bool:
+        return self._generated
 
 
 class ViewConfig(_Strict):
@@ -315,32 +357,39 @@ class ViewConfig(_Strict):
     when every page watching a stream shows it smaller: each page asks for the size it shows)."""
     jpeg_quality: int = Field(75, ge=10, le=100)
     """JPEG quality of the view's frames."""
+    max_connections: int = Field(64, ge=1, le=10_000)
+    """Connections the view holds at most (pages, their websockets, API clients); a connection beyond it
+    is closed at once, counted, and logged in aggregate. Lowered at start to half the file descriptors
+    free under the process's RLIMIT_NOFILE, so clients can never take the control socket's."""
+    request_timeout_s: float = Field(10.0, gt=0, le=300)
+    """A connection that has not sent a complete request header within this many seconds of opening
+    (or of its last reply) is closed, and a request body must arrive within as long: slow or half-open
+    clients cannot hold connections."""
 
-    @field_validator("token", mode="before")
-    @classmethod
-    def _auto_token(cls, v: Any) -> Any:
-        if v == "auto":  # a fresh token per run, printed with the login URL at start
-            import secrets
-            return secrets.token_urlsafe(24)
-        return v
-
-    @model_validator(mode="after")
-    def _safe_bind(self) -> "ViewConfig":
-        if self.enabled and not self.token and not _is_loopback(self.host):
-            raise ValueError(f"view.host: {self.host!r} is not a loopback address and view.token is not set: "
-                             "anyone who can reach it could watch the streams and control the engine; set "
-                             "view.token (16+ characters, or `auto`) or bind 127.0.0.1")
-        return self
+    # a non-loopback host without a token is refused by EngineConfig (engine/binds.py: one rule for
+    # every listening socket, with security.allow_insecure_bind as the explicit way out)
+    _token = field_validator("token", mode="before")(lambda cls, v: _auto_token(v))
+    _strong = field_validator("token")(lambda cls, v: _strong_token(v))
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    import ipaddress
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name other than localhost: may resolve to anything
-        return False
+def _auto_token(v: Any) -> Any:
+    if v == "auto":  # a fresh token per run (192 random bits), printed (view: with the login URL) at start
+        import secrets
+        return secrets.token_urlsafe(24)
+    return v
+
+
+def _strong_token(v: Optional[str]) -> Optional[str]:
+    from .binds import token_problem
+    why = token_problem(v) if v is not None else None
+    if why:
+        raise ValueError(why)
+    return v
+
+
+def _is_loopback(host: str) -> bool:  # kept for the view server's import; the rule lives in engine/binds.py
+    from .binds import is_loopback_host
+    return is_loopback_host(host)
 
 
 class ClusterPublishConfig(_Strict):
@@ -376,7 +425,9 @@ class ClusterConfig(_Strict):
     """An engine that does not answer this many heartbeats in a row is fenced (killed) and its streams
     re-placed; an engine Ray reports dead is fenced at once."""
     stream_fps: float = Field(30.0, gt=0)
-    """Frame rate assumed for a new stream's cost when its URL does not say it (synthetic://...&fps=N does)."""
+    """Frame rate a stream is costed at when placed while its real rate is unknown: a network stream until
+    its engine's reports have measured its ingest rate, a file the head cannot probe (a file's container
+    rate is read, synthetic://...&fps=N says it)."""
     max_load: float = Field(0.9, gt=0)
     """A stream goes only to an engine whose predicted busiest pool stays under this share (above 1:
     overcommit, the engines' own freshest-first and ladder absorb the excess)."""
@@ -468,6 +519,14 @@ class EngineConfig(_Strict):
             if "sam2" not in (streams[o.stream].pools or pools):
                 raise ValueError(f"objects.{i}: objects are SAM 2 prompts: configure models.sam2 and let stream "
                                  f"{o.stream!r} feed it (streams[].pools)")
+        from .binds import exposure_error, stream_exposure_error
+        exposed = exposure_error(self)
+        if exposed:
+            raise ValueError(exposed)
+        for i, s in enumerate(self.streams):
+            why = stream_exposure_error(s.url, self.security.allow_insecure_bind)
+            if why:
+                raise ValueError(f"streams.{i}.url: {why}")
         if self.security.curve and self.view.enabled and not self.view.token:
             raise ValueError("security.curve is on but the live view has no token: the view would give anyone on "
                              "this machine the control CURVE guards; set view.token (or auto) or view.enabled: false")

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from streams import redact_url
 
+from .binds import ZMQ_HANDSHAKE_MS
 from .config import StreamConfig
 from .errors import ConfigError, ControlError, VidarError
 from .workers.registry import FAMILY_OPS, pool_for_op
@@ -109,6 +110,7 @@ def bind(endpoint: str, max_message_bytes: int, *, curve=None, ctx=None):
         curve.server_socket(sock)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # larger requests are cut off by ZeroMQ itself
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # a peer that never handshakes: closed (binds.py)
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as err:
@@ -128,6 +130,15 @@ async def serve(engine, sock, stop) -> None:
 
     asock = zmq.asyncio.Socket.shadow(sock.underlying)
     loop = asyncio.get_running_loop()
+    # A REP socket must answer the request it received before it can receive another: if an earlier run
+    # of this task died in between (it is restarted by its supervisor), that request is answered now,
+    # with an error. When nothing was pending, ZeroMQ refuses the send (EFSM) and nothing happens.
+    try:
+        await asock.send(encode_reply({"ok": False, "error": "internal error: the control socket restarted "
+                                                              "while handling this request; check with list"}),
+                         zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
     while not stop.is_set():
         if not await asock.poll(100):
             continue
@@ -138,7 +149,18 @@ async def serve(engine, sock, stop) -> None:
             reply = {"ok": False, "error": "request is not valid msgpack"}
         else:
             reply = await loop.run_in_executor(None, engine.control, req)
-        await asock.send(msgpack.packb(reply, use_bin_type=True))
+        await asock.send(encode_reply(reply))
+
+
+def encode_reply(reply: dict) -> bytes:
+    """A reply as msgpack; one that cannot be encoded becomes an error reply (a REP socket must answer
+    every request, and an exception here would end the control socket's task)."""
+    try:
+        return msgpack.packb(reply, use_bin_type=True)
+    except Exception as err:  # OverflowError, TypeError, ValueError: a bug in what a reply carries
+        log.error("control: a reply could not be encoded: %s: %s", type(err).__name__, err)
+        return msgpack.packb({"ok": False, "error": f"internal error: the reply could not be encoded "
+                                                    f"({type(err).__name__})"}, use_bin_type=True)
 
 
 def request(endpoint: str, req: dict, timeout: float = 10.0, curve: tuple[str, str] | None = None) -> dict:

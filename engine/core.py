@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .errors import ControlError
 from .frame import DropReason, FailReason
@@ -32,8 +32,13 @@ log = logging.getLogger("vidar.core")
 
 class EngineCore(OwnThread):
     def __init__(self, pools: dict[str, Pool], table: StreamTable, *, shutdown_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 supervised: Sequence[Callable[[], Optional[str]]] = ()):
         self.pools, self.table = pools, table
+        # health checks of the engine's other long-lived threads (the publisher, the view's encoder), run
+        # every step: each restarts its thread itself where it can and returns why not when it cannot
+        # (then the engine dies, loudly, exit 3). Pools check their own workers and output stage in step().
+        self._supervised = tuple(supervised)
         self._shutdown_timeout_s, self._clock = shutdown_timeout_s, clock
         self._inbox: deque = deque()
         self._wake = threading.Event()
@@ -107,6 +112,7 @@ class EngineCore(OwnThread):
     def _check_dead(self) -> None:
         if self.dead is None:
             reason = next((p.faults.dead for p in self.pools.values() if p.faults.dead), None)
+            reason = reason or next((why for check in self._supervised if (why := check())), None)
             if reason:
                 self._die(f"engine dead: {reason}")
 

@@ -16,9 +16,10 @@ from typing import Optional
 
 import zmq
 
+from .binds import exposure_error, exposure_warning
 from .config import EngineConfig
 from .core import EngineCore
-from .errors import ConfigError, EngineDeadError
+from .errors import ConfigError, ControlError, EngineDeadError
 from .frame import DropReason
 from .memory import limit_malloc_arenas
 from .metrics import Metrics
@@ -62,11 +63,18 @@ class Engine:
 
     def _start(self) -> None:
         cfg = self.cfg
+        # the config checked this when it was read; again here for configs built without its checks
+        # (model_copy: a cluster's engines bind their publisher and metrics on their node's address)
+        exposed = exposure_error(cfg)
+        if exposed:
+            raise ConfigError(exposed)
+        if cfg.security.allow_insecure_bind and (warning := exposure_warning(cfg)):
+            log.warning("%s", warning)
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
                                lambda: {name: p.qos.state() for name, p in self.pools.items()})
         if cfg.metrics.enabled:
-            self.metrics.serve(cfg.metrics.host, cfg.metrics.port)
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, cfg.metrics.token)
         if cfg.security.curve:
             from .security import Curve
             self.curve = Curve(self._ctx or zmq.Context.instance(), cfg.security.server_key,
@@ -101,12 +109,17 @@ class Engine:
                 raise EngineDeadError(f"publish.min_subscribers={cfg.publish.min_subscribers}: no subscriber "
                                       f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
         self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view)
-        self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s)
+        supervised = [self.publisher.health] + ([self.view.health] if self.view is not None else [])
+        self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s,
+                               supervised=supervised)
         for pool in self.pools.values():
             pool.start()
         self.core.start()
-        for scfg in cfg.streams:
-            self.core.call(self.table.add, scfg).result(30)
+        for i, scfg in enumerate(cfg.streams):
+            try:
+                self.core.call(self.table.add, scfg).result(30)
+            except ControlError as err:  # refused as an add_stream would be: a config error here (exit 2)
+                raise ConfigError(f"streams.{i} ({scfg.id}): {str(err).removeprefix('add_stream: ')}") from None
         for o in cfg.objects:
             req = {"op": "add_object", **o.model_dump(exclude_none=True)}
             reply = self.control(req)
@@ -162,6 +175,8 @@ class Engine:
                 out["reconnects"][entry.id] = entry.runner.reconnects
         if self.publisher is not None:
             out["events_dropped"] = dict(self.publisher.stats.events_dropped)
+        if self.table is not None:
+            out["decoder_threads_stuck"] = self.table.stuck_decoders
         if self.view is not None:
             out["view_frames"] = self.view.counters()
         for pool in self.pools.values():

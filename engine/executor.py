@@ -96,7 +96,17 @@ class WorkerThread:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # outside the per-batch guards (a bug): the watchdog replaces this slot
+            log.exception("worker %d: thread crashed", self.index)
+
+    def _loop(self) -> None:
         set_intra_op_threads(self._threads)
         while True:
             batch = self._inbox.get()

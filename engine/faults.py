@@ -1,4 +1,5 @@
-"""The engine-dead policy of one pool: `max_failures` failed or hung batches within `window_s`."""
+"""The engine-dead policy of one pool: `max_failures` failed or hung batches within `window_s`. The same
+count guards the control plane's supervised tasks and the view's encoder thread (`what`: "crashes")."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import Callable, Optional
 
 class FaultPolicy:
     def __init__(self, pool: str, *, max_failures: int, window_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, what: str = "failed batches",
+                 label: Optional[str] = None):
         self.pool, self.max_failures, self.window_s, self._clock = pool, max_failures, window_s, clock
+        self._what, self._label = what, label or f"pool {pool}"  # what is counted, and whose
         self._times: deque = deque()
         self._lock = threading.Lock()
         self.dead: Optional[str] = None  # why this pool killed the engine, once it has
@@ -24,5 +27,5 @@ class FaultPolicy:
             while self._times and now - self._times[0] > self.window_s:
                 self._times.popleft()
             if len(self._times) >= self.max_failures and self.dead is None:
-                self.dead = (f"pool {self.pool}: {len(self._times)} failed batches within {self.window_s:g} s "
+                self.dead = (f"{self._label}: {len(self._times)} {self._what} within {self.window_s:g} s "
                              f"(last: {reason})")

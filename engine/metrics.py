@@ -3,13 +3,21 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
-from typing import Callable, Iterable
+import socket
+import threading
+import time
+from typing import Callable, Iterable, Optional
+from urllib.parse import urlsplit
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .accounting import Accounting
+from .binds import is_loopback_host
 from .memory import heap_bytes
 
 log = logging.getLogger("vidar.metrics")
@@ -54,6 +62,11 @@ class _AccountingCollector:
             for stream, n in counters.get(name, {}).items():
                 fam.add_metric([stream], n)
             yield fam
+        if "decoder_threads_stuck" in counters:
+            stuck = CounterMetricFamily("vidar_decoder_threads_stuck", "Decoder threads of removed streams still "
+                                        "blocked after the reap bound (a read that cannot be interrupted), let go")
+            stuck.add_metric([], counters["decoder_threads_stuck"])
+            yield stuck
         view = CounterMetricFamily("vidar_view_frames", "Live view: frames its tap took, by outcome (shown; busy: "
                                    "replaced before encoding; unmatched: no result came; superseded: a newer frame "
                                    "was shown; results_overflow: results the view could not keep up with)",
@@ -112,15 +125,12 @@ class Metrics:
     def observe(self, pool: str, stage: str, seconds: float) -> None:
         self.stage.labels(pool, stage).observe(seconds)
 
-    def serve(self, host: str, port: int) -> None:
-        from prometheus_client import start_http_server
-        from .errors import ConfigError
-        try:
-            self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        except OSError as err:
-            raise ConfigError(f"metrics.port: cannot serve on {host}:{port}: {err} "
-                              "(set metrics.port to a free port or metrics.enabled: false)") from None
-        log.info("metrics on http://%s:%d/metrics", host, self._server.server_port)
+    def serve(self, host: str, port: int, token: Optional[str] = None) -> None:
+        """Serve /metrics on its own threads. Without a token, requests must name a loopback host (a
+        DNS-rebinding page gets 403, as from the view); with one, they carry `Authorization: Bearer`."""
+        self._server = serve_registry(self.registry, host, port, token)
+        log.info("metrics on http://%s:%d/metrics%s", host, self._server.server_port,
+                 " (Authorization: Bearer <metrics.token>)" if token else "")
 
     @property
     def port(self) -> int | None:
@@ -131,3 +141,135 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+# -- the endpoint -------------------------------------------------------------------------------------
+# prometheus_client's start_http_server takes no app of ours (no Host or token check) and no bound on
+# connections: a thread per connection, each waiting on its client for ever. Its WSGI app and its
+# threading server are used as they are, behind the guard, the read timeout and the cap below.
+READ_TIMEOUT_S = 10.0    # a client that has not sent its request within this is closed
+MAX_CONNECTIONS = 32     # connections served at once; more are closed at once and counted
+
+
+def _guard(app, token: Optional[str]):
+    expected = f"Bearer {token}".encode() if token else None
+
+    def guarded(environ, start_response):
+        if expected is None:
+            try:
+                host = urlsplit("//" + environ.get("HTTP_HOST", "")).hostname or ""
+            except ValueError:  # `Host: [`: not a host name at all
+                return _deny(start_response, "400 Bad Request", "the Host header is not a host name")
+            if not is_loopback_host(host):
+                return _deny(start_response, "403 Forbidden", f"host {host!r} is not a loopback name (DNS rebinding?)")
+        else:  # WSGI hands headers over as latin-1 strings: compare bytes, any bytes a client sent
+            sent = environ.get("HTTP_AUTHORIZATION", "").encode("latin-1", "replace")
+            if not hmac.compare_digest(sent, expected):
+                return _deny(start_response, "401 Unauthorized", "send Authorization: Bearer <metrics.token>")
+        return app(environ, start_response)
+    return guarded
+
+
+def _deny(start_response, status: str, why: str) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+    return [f"vidar metrics: {why}\n".encode()]
+
+
+class _Handler(WSGIRequestHandler):
+    # socketserver sets it on the connection, per read; the server's reaper also holds each connection to
+    # it as a deadline (a client trickling a byte every few seconds never hits a per-read timeout)
+    timeout = READ_TIMEOUT_S
+
+    def finish(self):
+        try:
+            super().finish()
+        except OSError:  # the reaper shut the connection down under it
+            pass
+
+    def log_message(self, format, *args):  # no access log
+        pass
+
+
+class _Server(ThreadingWSGIServer):
+    daemon_threads = True
+    request_queue_size = 64  # listen backlog (socketserver's default is 5)
+
+    def __init__(self, *args, **kwargs):
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        self._open: dict = {}  # connection -> its deadline (monotonic)
+        self._open_lock = threading.Lock()
+        self._closed = False
+        super().__init__(*args, **kwargs)
+        threading.Thread(target=self._reap, name="metrics-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
+        """One thread for every connection's deadline (not a timer per connection)."""
+        while not self._closed:
+            time.sleep(0.2)
+            now = time.monotonic()
+            with self._open_lock:
+                late = [c for c, t in self._open.items() if now > t]
+                for c in late:
+                    del self._open[c]
+            for c in late:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def server_close(self) -> None:
+        self._closed = True
+        super().server_close()
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
+                log.warning("metrics: %d connections refused so far: more than %d open at once", self.refused,
+                            MAX_CONNECTIONS)
+            self.shutdown_request(request)
+            return
+        with self._open_lock:
+            self._open[request] = time.monotonic() + _Handler.timeout
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._forget(request)
+            raise
+
+    def handle_error(self, request, client_address):
+        """A client that timed out or went away is its own problem: no traceback on stderr."""
+        import sys
+        if isinstance(sys.exc_info()[1], (TimeoutError, ConnectionError)):
+            return
+        log.exception("metrics: request from %s failed", client_address[0])
+
+    def _forget(self, request) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+        self._slots.release()
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+
+def serve_registry(registry: CollectorRegistry, host: str, port: int, token: Optional[str] = None) -> "_Server":
+    """/metrics of `registry` on its own threads, guarded (the engine's and a cluster head's). A port that
+    cannot be bound is a ConfigError naming metrics.port."""
+    from .errors import ConfigError
+    try:
+        return _serve_guarded(host, port, _guard(make_wsgi_app(registry), token))
+    except OSError as err:
+        raise ConfigError(f"metrics.port: cannot serve on {host}:{port}: {err} "
+                          "(set metrics.port to a free port or metrics.enabled: false)") from None
+
+
+def _serve_guarded(host: str, port: int, app) -> _Server:
+    server_class = type("_Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET})
+    server = make_server(host.strip("[]"), port, app, server_class, handler_class=_Handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    return server

@@ -59,6 +59,7 @@ class OutputStage:
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.replacements = 0
+        self._crash = ""  # why the last thread died, if one did
         acct.add_holder("output", self._held)
 
     # -- other threads ---------------------------------------------------------------------------
@@ -128,6 +129,31 @@ class OutputStage:
         self.start()
         return True
 
+    def check_alive(self) -> bool:
+        """Core thread: the stage's thread ended although nobody stopped it (a bug outside the per-batch
+        guard, e.g. in a processor's events): the batch in hand fails (output_error), the fault is
+        recorded and a fresh thread with the next generation takes over. Never a stage that silently
+        stops publishing."""
+        thread = self._thread
+        if thread is None or thread.is_alive():
+            return False
+        with self._acct.lock:
+            if self._stop or thread is not self._thread:
+                return False
+            res, self._current = self._current, None
+            self._gen += 1
+            self._busy.end()
+            if res is not None:
+                for fv in _pending(res):
+                    self._acct.fail(fv.meta.stream, FailReason.OUTPUT_ERROR)
+                self._next += 1
+            self.replacements += 1
+        why = self._crash or "ended"
+        log.error("pool %s: output thread died (%s): replacing it", self.pool, why)
+        self._faults.record(f"output thread died: {why}")
+        self.start()
+        return True
+
     def abort(self, *, drop: Optional[DropReason] = None, fail: Optional[FailReason] = None) -> None:
         """Shutdown or engine death: every frame this stage holds ends now (dropped or failed). The
         running thread's generation ends too: what it finishes is ignored."""
@@ -156,6 +182,13 @@ class OutputStage:
 
     # -- the stage's thread -------------------------------------------------------------------------
     def _run(self, gen: int) -> None:
+        try:
+            self._loop(gen)
+        except BaseException as err:  # outside the per-batch guard: the core's check_alive replaces the thread
+            self._crash = f"{type(err).__name__}: {err}"
+            log.exception("pool %s: output thread crashed", self.pool)
+
+    def _loop(self, gen: int) -> None:
         set_intra_op_threads(self._threads)
         while True:
             self._run_messages(gen)

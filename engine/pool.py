@@ -59,7 +59,7 @@ class Pool:
                                   on_timing=self._timing, on_drop=self.drop_log.note, clock=clock,
                                   threads=spec.output_threads)
         self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
-                                 metrics=metrics, wake=wake, clock=clock)
+                                 metrics=metrics, wake=wake, clock=clock, faults=self.faults)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)
         self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
         self.qos = PoolQos(spec.name, qos or QosConfig(), self.acct, levels=spec.levels, level_costs=spec.level_costs,
@@ -132,6 +132,7 @@ class Pool:
             self.scheduler.update(*self._timings.popleft())
         self.slots.watchdog(now)
         self.output.check_hung(now, self._batch_timeout_s)
+        self.output.check_alive()
         runners = self.slots.runners
         self.qos.step(now, busy_s=self.slots.busy_seconds(now), output_busy_s=self.output.busy_seconds(now),
                       workers=len(runners))

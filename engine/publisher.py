@@ -39,8 +39,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from .accounting import Accounting
+from .binds import ZMQ_HANDSHAKE_MS
 from .config import PublishConfig
-from .frame import DropReason, FrameMeta
+from .frame import DropReason, FailReason, FrameMeta
 from .schema import EVENT_KINDS, event_message, pack, result_message, topic
 
 log = logging.getLogger("vidar.publish")
@@ -86,6 +87,7 @@ class PublisherStats:
     events: int = 0
     hwm_drops: int = 0
     events_dropped: Counter = field(default_factory=Counter)  # per stream; the metric reads it
+    encode_errors: Counter = field(default_factory=Counter)   # per stream: messages msgpack could not encode
 
 
 class Publisher:
@@ -98,6 +100,7 @@ class Publisher:
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription message, to see subscriptions
         self._sock.setsockopt(zmq.LINGER, 500)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # a peer that never handshakes: closed
         if curve is not None:
             curve.server_socket(self._sock)
         try:
@@ -122,6 +125,9 @@ class Publisher:
         self._abort = threading.Event()
         self.stats = PublisherStats()
         self._evict_logged: dict[str, float] = {}
+        self._encode_logged: dict[str, float] = {}
+        self.dead: Optional[str] = None  # why the thread died (a bug); None while it serves
+        self._close_called = False
         self._on_publish_latency = on_publish_latency
         self.listener: Optional[Callable[[dict], None]] = None  # the live view: each message sent, as a dict
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
@@ -136,8 +142,9 @@ class Publisher:
             held = self._held.setdefault(acct.pool, Counter())
             for meta, kind, weights, fields in items:
                 box = self._box(meta.stream)
-                if self._closing:
-                    acct.drop(meta.stream, DropReason.SHUTDOWN)
+                if self._closing:  # closed, or its thread died (then the engine is dead: say so)
+                    (acct.fail(meta.stream, FailReason.ENGINE_DEAD) if self.dead else
+                     acct.drop(meta.stream, DropReason.SHUTDOWN))
                     continue
                 if meta.live and box.live >= self.cfg.queue_size:
                     acct.drop(meta.stream, DropReason.PUBLISH_QUEUE)
@@ -212,7 +219,9 @@ class Publisher:
                 if not held.get(stream):
                     held.pop(stream, None)
             self.stats.events_dropped.pop(stream, None)
+            self.stats.encode_errors.pop(stream, None)
             self._evict_logged.pop(stream, None)
+            self._encode_logged.pop(stream, None)
 
     def wait_subscribers(self, n: int, timeout: float) -> bool:
         """Block until `n` subscribers are connected and have subscribed (slow-joiner guard for
@@ -271,10 +280,15 @@ class Publisher:
                     return
                 item = box.items[0]
             if isinstance(item, _Event):
-                msg = event_message(item.stream, item.kind, item.reason)
-                if item.fields is not None:
-                    msg.update(item.fields())
-                if not self._send([topic("event", item.stream), pack(msg)]):
+                try:
+                    msg = event_message(item.stream, item.kind, item.reason)
+                    if item.fields is not None:
+                        msg.update(item.fields())
+                    payload = pack(msg)
+                except Exception as err:  # cannot happen with our events' fields; never let it end the thread
+                    self._unencodable_event(box, item, err)
+                    continue
+                if not self._send([topic("event", item.stream), payload]):
                     return self._park(box, now)
                 with self._cond:
                     box.items.popleft()
@@ -297,7 +311,13 @@ class Publisher:
         latency_ms = (t_mono - meta.t_capture_mono) * 1e3 if math.isfinite(meta.t_capture_mono) else None
         msg = result_message(item.kind, stream=meta.stream, seq=meta.seq, pts=meta.pts, t_capture=meta.t_capture,
                              weights=item.weights, fields=item.fields, latency_ms=latency_ms)
-        if self._send([topic(item.kind, meta.stream), pack(msg)]):
+        try:
+            payload = pack(msg)
+        except Exception as err:  # msgpack: OverflowError (an int past 64 bits), TypeError, ValueError (depth)
+            self._count_unencodable(meta.stream, f"{item.kind} result seq {meta.seq}", err)
+            self._finish(box, item, lambda: item.acct.fail(meta.stream, FailReason.ENCODE_ERROR))
+            return True  # this frame failed; the stream and every other go on
+        if self._send([topic(item.kind, meta.stream), payload]):
             self._finish(box, item, lambda: item.acct.publish(meta.stream, msg["latency_ms"]))
             self.stats.sent += 1
             self._on_publish_latency(time.monotonic() - item.t_done)
@@ -309,6 +329,26 @@ class Publisher:
             return True
         self._park(box, now)  # offline: keep it, retry later; other streams go on
         return False
+
+    def _count_unencodable(self, stream: str, what: str, err: Exception) -> None:
+        """A message msgpack cannot encode: counted per stream, logged at most every LOG_EVERY_S per stream."""
+        self.stats.encode_errors[stream] += 1
+        now = time.monotonic()
+        if now - self._encode_logged.get(stream, -LOG_EVERY_S) >= LOG_EVERY_S:
+            self._encode_logged[stream] = now
+            log.error("stream %s: %s cannot be encoded (%s: %s): not published (%d so far)", stream, what,
+                      type(err).__name__, err, self.stats.encode_errors[stream])
+
+    def _unencodable_event(self, box: _Outbox, item: _Event, err: Exception) -> None:
+        """The event is dropped and counted; its on_sent still runs, so a stream's lifecycle (an eos that
+        lets a removed stream go) never waits for a message that can never be sent."""
+        self._count_unencodable(item.stream, f"event {item.kind}", err)
+        with self._cond:
+            box.items.popleft()
+            box.events -= 1
+            self.stats.events_dropped[item.stream] += 1
+        if item.on_sent:
+            item.on_sent()
 
     def _listen(self, msg: dict) -> None:
         if self.listener is not None:
@@ -358,7 +398,8 @@ class Publisher:
                 if wait > 0:
                     with self._cond:
                         self._cond.wait(wait)
-        except Exception:  # never die silently: whatever is queued is discarded and counted below
+        except BaseException as err:  # never die silently: the engine core sees `dead` and the engine dies (exit 3)
+            self.dead = f"publisher thread crashed: {type(err).__name__}: {err}"
             log.exception("publisher thread crashed")
         finally:
             self._discard_all()
@@ -366,8 +407,16 @@ class Publisher:
             self._monitor.close(0)
             self._sock.close()
 
+    def health(self) -> Optional[str]:
+        """None while the thread serves (or was closed); why it died otherwise. The engine core checks it
+        every step: a publisher that died is engine death, never a silent engine that publishes nothing."""
+        if self.dead is None and not self._thread.is_alive() and not self._close_called:
+            self.dead = "publisher thread ended"  # cannot happen without `dead` set; never let it pass
+        return self.dead
+
     def _discard_all(self) -> None:
-        """Close or abort: what is still queued is counted (results as dropped(shutdown))."""
+        """Close or abort: what is still queued is counted (results as dropped(shutdown); after a crash as
+        failed(engine_dead))."""
         with self._cond:
             self._closing = True
             boxes = list(self._boxes.items())
@@ -383,11 +432,14 @@ class Publisher:
                         box.events -= 1
                     self.stats.events_dropped[stream] += 1
                     log.info("stream %s: event %s not published (publisher stopped)", stream, item.kind)
+                elif self.dead:
+                    self._finish(box, item, lambda: item.acct.fail(item.meta.stream, FailReason.ENGINE_DEAD))
                 else:
                     self._finish(box, item, lambda: item.acct.drop(item.meta.stream, DropReason.SHUTDOWN))
 
     def close(self, timeout: float = 5.0) -> None:
         """Publish what is queued (up to `timeout`), then close. Whatever is left is counted as shutdown."""
+        self._close_called = True
         with self._cond:
             self._closing = True
             self._cond.notify_all()

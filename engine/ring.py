@@ -30,6 +30,7 @@ import torch
 from .accounting import Accounting
 from .errors import SourceError
 from .frame import DropReason, FrameMeta
+from .frame_budget import FrameMemoryBudget
 
 
 class SlotState(Enum):
@@ -72,8 +73,10 @@ class FrameRing:
 
     def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
                  min_slots: int, max_slots: int, max_frame_pixels: int,
-                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1):
+                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1,
+                 budget: Optional[FrameMemoryBudget] = None):
         self.stream = stream
+        self._budget = budget  # the engine-wide frame memory (engine/frame_budget.py); None: unbounded
         self.live = live
         self.max_interval = max_interval  # the degradation ladder samples at most 1 frame in this many
         self._acct = accounting
@@ -98,8 +101,30 @@ class FrameRing:
         self.tap: Optional[Callable[[FrameMeta, torch.Tensor], None]] = None
 
     # -- producer side -------------------------------------------------------------------
+    def reserve_for(self, h: int, w: int) -> None:
+        """Reserve the slots for frames of h x w in the engine's frame budget now (a source that knows its
+        size before opening: the add is refused rather than the stream failed later). Raises SourceError."""
+        with self._cond:
+            self._reserve_bytes(h, w, slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+
+    def _reserve_bytes(self, h: int, w: int, n: int, held_old: int = 0) -> None:
+        """Reserve n slots of h x w, plus `held_old` bytes of slots still holding frames of an older size."""
+        if self._budget is not None:
+            what = f"{n} ring slots of {w}x{h} frames" + (" (and the older frames still held)" if held_old else "")
+            self._budget.reserve(self, self.stream, n * h * w * 3 + held_old, what)
+
+    def _held_old_bytes(self) -> int:
+        """Lock held: bytes of slots that hold arrays of another size than the stream's current one."""
+        return sum(a.nbytes for a in self._arrays if a is not None and a.shape[:2] != self._shape)
+
+    def _give_back(self) -> None:
+        """Lock held: a closed ring whose slots are all freed returns its reservation."""
+        if self._budget is not None and self._closed and all(a is None for a in self._arrays):
+            self._budget.release(self)
+
     def _allocate(self, h: int, w: int) -> None:
         n = slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots)
+        self._reserve_bytes(h, w, n)  # before anything is allocated: a refusal leaves the ring as it was
         self._slots = [None] * n
         self._arrays = [None] * n
         self._state = [SlotState.FREE] * n
@@ -112,11 +137,18 @@ class FrameRing:
         """The stream's frame size changed: slots follow it one by one as they are reused, and the
         number of usable slots is recomputed from the budget, so memory stays within it. Slots past
         the new limit are freed as soon as they are released."""
+        limit = min(len(self._state), slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+        # Free slots are let go now (re-allocated at the new size when reused); slots holding a frame keep
+        # their old arrays until released, so the reservation covers those too until then. (Counting only
+        # the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
+        held_old = sum(a.nbytes for i, a in enumerate(self._arrays)
+                       if a is not None and self._state[i] is not SlotState.FREE)
+        self._reserve_bytes(h, w, limit, held_old)  # may not fit the engine's budget: refused before any change
         self.reallocations += 1
         self._shape = (h, w)
-        self._limit = min(len(self._state), slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
-        for i in range(self._limit, len(self._state)):
-            if self._state[i] is SlotState.FREE:
+        self._limit = limit
+        for i, state in enumerate(self._state):
+            if state is SlotState.FREE:
                 self._slots[i] = self._arrays[i] = None
 
     def allocated_bytes(self) -> int:
@@ -159,6 +191,8 @@ class FrameRing:
         with self._cond:
             if self._closed:  # closed while copying: the frame never entered the pipeline
                 self._state[i] = SlotState.FREE
+                self._slots[i] = self._arrays[i] = None
+                self._give_back()
                 self._cond.notify_all()
                 return False
             self._acct.ingest(self.stream)
@@ -209,6 +243,7 @@ class FrameRing:
             for i, state in enumerate(self._state):
                 if state is SlotState.FREE:
                     self._slots[i] = self._arrays[i] = None
+            self._give_back()
             self._cond.notify_all()
         self._notify()
 
@@ -234,8 +269,14 @@ class FrameRing:
         with self._cond:
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
+            arr = self._arrays[slot]
             if slot >= self._limit or self._closed:  # past the limit after a size change, or no more frames
                 self._slots[slot] = self._arrays[slot] = None
+                self._give_back()
+            elif arr is not None and arr.shape[:2] != self._shape:  # an older size: reallocated when reused
+                self._slots[slot] = self._arrays[slot] = None
+            if arr is not None and arr.shape[:2] != self._shape and not self._closed:
+                self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
             self._cond.notify_all()
 
     @property

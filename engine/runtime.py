@@ -97,7 +97,10 @@ async def _main(engine: Engine) -> int:
     control = None
     if engine.control_socket is not None:
         from .control import serve
-        control = asyncio.create_task(serve(engine, engine.control_socket, stop))
+        from .supervise import SupervisedTask
+        f = engine.cfg.faults
+        control = SupervisedTask("control socket", lambda: serve(engine, engine.control_socket, stop),
+                                 max_failures=f.max_failures, window_s=f.window_s)
     status = StatusPrinter(engine)
     interval = engine.cfg.status.interval_s
     next_status = time.monotonic() + interval
@@ -111,6 +114,14 @@ async def _main(engine: Engine) -> int:
             log.error("%s", engine.dead_reason)
             code = EXIT_DEAD
             break
+        # the control plane's own tasks: restarted when they end by themselves, engine death when they keep
+        # ending (never an engine that runs on without its control socket or its view's state)
+        dead = None if stop.is_set() else next(
+            (why for why in (control and control.health(), view and view.health()) if why), None)
+        if dead:
+            log.error("engine dead: %s", dead)
+            code = EXIT_DEAD
+            break
         if engine.finished():
             break
         if time.monotonic() >= next_status:
@@ -121,7 +132,7 @@ async def _main(engine: Engine) -> int:
     stop.set()  # also ends the control socket
     if control is not None:
         try:
-            await asyncio.wait_for(control, timeout=2)
+            await asyncio.wait_for(control.task, timeout=2)
         except (asyncio.TimeoutError, Exception) as err:
             if not isinstance(err, asyncio.TimeoutError):
                 log.error("control socket: %s: %s", type(err).__name__, err)

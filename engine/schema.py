@@ -17,7 +17,8 @@ from typing import Any
 import msgpack
 
 SCHEMA_VERSION = 2
-EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected", "degraded", "restored", "relocated")
+#: `pending`: a cluster has no engine with room for the stream yet; it is placed (`started`) as soon as one has
+EVENT_KINDS = ("started", "eos", "error", "reconnecting", "connected", "degraded", "restored", "relocated", "pending")
 
 
 def result_message(kind: str, *, stream: str, seq: int, pts: float, t_capture: float, weights: str,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -21,10 +22,12 @@ from typing import Callable, Optional
 from streams import open_source, redact_url
 from streams.runner import SourceRunner
 
+from .binds import stream_exposure_error
 from .config import EngineConfig, StreamConfig
 from .errors import ControlError, SourceError
 from .fanout import RingGroup
 from .frame import DropReason
+from .frame_budget import FrameMemoryBudget, total_memory_bytes
 from .pool import Pool
 from .publisher import Publisher
 from .ring import FrameRing
@@ -45,6 +48,7 @@ class StreamEntry:
     eos_queued: bool = False
     eos_sent: bool = False
     removal: Optional[Future] = None  # resolved when the eos of a removed stream is queued
+    reap_by: float = 0.0              # monotonic: a removed stream's decoder thread should have ended by then
 
     @property
     def id(self) -> str:
@@ -66,7 +70,16 @@ class StreamTable:
         self._view = view  # the live view's hub, or None
         self._entries: dict[str, StreamEntry] = {}
         self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
+        self.frame_budget = FrameMemoryBudget(total_memory_bytes(cfg.ring.total_memory_mb))
         self.dead_reason: Optional[str] = None
+        # A removed stream is forgotten only once its decoder thread has ended (polled here, never
+        # joined: the core thread must not block), so removals cannot pile up threads. Bound: the
+        # longest a source may legitimately stay blocked after a stop, an open or a read of a hung
+        # network peer (PyAV gives up after ~2x its timeout, shared/STACK.md), plus slack. A thread
+        # still alive then (a read on a hung network filesystem) is logged, counted, and let go.
+        src = cfg.source
+        self.reap_bound_s = 2 * (src.open_timeout_s + src.stall_timeout_s) + 5.0
+        self.stuck_decoders = 0  # decoder threads that outlived reap_bound_s after their stream was removed
 
     # -- reads (any thread) --------------------------------------------------------------------
     def snapshot(self) -> list[StreamEntry]:
@@ -97,11 +110,34 @@ class StreamTable:
         if old is not None:  # the same id is still being removed: start once its eos is out
             self._deferred.append((scfg, fut))
             return fut
-        self._start(scfg, pools)
+        # All or nothing: the source is built (its URL and parameters checked) before anything is
+        # registered, so a refused add leaves no stream behind (no entry, ring, view slot or thread) and
+        # its id free. (Registering first left a "running" stream that published nothing and held its id.)
+        listening = stream_exposure_error(scfg.url, self.cfg.security.allow_insecure_bind)
+        if listening:
+            settle(fut, exc=ControlError(f"add_stream: stream.url: {listening}"))
+            return fut
+        src = self.cfg.source
+        try:
+            source = open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
+                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=self.cfg.ring.max_frame_pixels)
+        except SourceError as err:
+            settle(fut, exc=ControlError(f"add_stream: stream.url: {err.reason}"))
+            return fut
+        except Exception as err:  # a bug in a source's checks: refused all the same, and said
+            log.exception("stream %s: building its source failed", scfg.id)
+            settle(fut, exc=ControlError(f"add_stream: stream.url: internal error: "
+                                         f"{redact_url(f'{type(err).__name__}: {err}')}"))
+            return fut
+        try:
+            self._start(scfg, pools, source)
+        except SourceError as err:  # its frames would not fit the engine's frame memory
+            settle(fut, exc=ControlError(f"add_stream: {err.reason}"))
+            return fut
         settle(fut, scfg.id)
         return fut
 
-    def _start(self, scfg: StreamConfig, pools: list[str]) -> None:
+    def _start(self, scfg: StreamConfig, pools: list[str], source) -> None:
         entry = StreamEntry(scfg, pools)
         live = scfg.mode == "live"
         r = self.cfg.ring
@@ -110,30 +146,52 @@ class StreamTable:
             entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
                                           min_slots=r.min_slots, max_slots=r.max_slots,
                                           max_frame_pixels=r.max_frame_pixels, notify=self._wake,
-                                          max_interval=scfg.max_interval)
+                                          max_interval=scfg.max_interval, budget=self.frame_budget)
             if self._view is not None:
                 entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
-        if self._view is not None:
-            self._view.expect(scfg.id, pools)
-        self._entries[scfg.id] = entry
-        for name in pools:
-            self._pools[name].attach(entry.rings[name])
-        rings = list(entry.rings.values())
-        sink = rings[0] if len(rings) == 1 else RingGroup(rings)
-        src = self.cfg.source
+        size = getattr(source, "frame_size", None)  # (w, h) known before opening (synthetic sources)
+        if size is not None:
+            try:
+                for ring in entry.rings.values():
+                    ring.reserve_for(size[1], size[0])
+            except SourceError:
+                for ring in entry.rings.values():
+                    ring.close()  # gives back what the others reserved
+                raise
+        # registered, attached, its decoder started; anything that fails here (a thread that cannot be
+        # started when the process is out of threads) is undone, so the add stays all or nothing
         try:
-            source = open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
-                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=r.max_frame_pixels)
-        except SourceError as err:  # bad URL syntax: this stream fails, the others run
-            log.error("%s", err)
-            self._emit(scfg.id, "error", err.reason)
-            entry.failed, entry.reason = True, f"error: {err.reason}"
-            sink.close()
-            return
-        entry.runner = SourceRunner(source, sink, live=live, loop=scfg.loop, budget_s=self.cfg.budget.latency_ms / 1e3,
-                                    emit=self._emit, reconnect_initial_s=src.reconnect_initial_s,
-                                    reconnect_max_s=src.reconnect_max_s, backoff_reset_after_s=src.backoff_reset_after_s)
-        entry.runner.start()
+            if self._view is not None:
+                self._view.expect(scfg.id, pools)
+            self._entries[scfg.id] = entry
+            for name in pools:
+                self._pools[name].attach(entry.rings[name])
+            rings = list(entry.rings.values())
+            sink = rings[0] if len(rings) == 1 else RingGroup(rings)
+            src = self.cfg.source
+            entry.runner = SourceRunner(source, sink, live=live, loop=scfg.loop,
+                                        budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
+                                        reconnect_initial_s=src.reconnect_initial_s,
+                                        reconnect_max_s=src.reconnect_max_s,
+                                        backoff_reset_after_s=src.backoff_reset_after_s)
+            entry.runner.start()
+        except Exception as err:
+            log.exception("stream %s: starting it failed; undone", scfg.id)
+            self._undo(entry)
+            raise SourceError(scfg.id, f"could not be started: {redact_url(f'{type(err).__name__}: {err}')}") from None
+
+    def _undo(self, entry: StreamEntry) -> None:
+        """A start that failed half-way: the stream is as if never added (its id free, nothing held)."""
+        for name in entry.pools:
+            pool = self._pools[name]
+            if pool.rings.get(entry.id) is entry.rings.get(name):
+                pool.detach(entry.id, DropReason.STREAM_REMOVED)
+            pool.acct.forget(entry.id)
+        for ring in entry.rings.values():
+            ring.close()
+        self._entries.pop(entry.id, None)
+        if self._view is not None:
+            self._view.forget(entry.id)
 
     def remove(self, stream: str, reason: str = "removed") -> Future:
         """Stop a stream: its decoder stops, frames queued in rings and schedulers are dropped
@@ -147,8 +205,11 @@ class StreamTable:
             settle(fut, exc=ControlError(f"remove_stream: unknown stream {stream!r}; streams: {live}"))
             return fut
         entry.removal = Future()
+        entry.reap_by = time.monotonic() + self.reap_bound_s
         if entry.eos_queued:  # it had ended already: its eos is out (or on its way); just forget it
             entry.state = "removing"
+            if entry.runner:
+                entry.runner.stop()  # idempotent: a thread still on its way out is not left blocked
             entry.removal.set_result(None)
             return entry.removal
         entry.state, entry.reason = "removing", reason
@@ -176,7 +237,7 @@ class StreamTable:
         for entry in list(self._entries.values()):
             if not entry.eos_queued and self._done(entry):
                 self._queue_eos(entry)
-            if entry.state == "removing" and entry.eos_sent:
+            if entry.state == "removing" and entry.eos_sent and self._reaped(entry):
                 self._forget(entry)
 
     def _done(self, entry: StreamEntry) -> bool:
@@ -210,6 +271,19 @@ class StreamTable:
         self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent, fields=counts)
         if entry.removal is not None:
             settle(entry.removal)
+
+    def _reaped(self, entry: StreamEntry) -> bool:
+        """The removed stream's decoder thread has ended, or will be let go (loudly) after reap_bound_s."""
+        runner = entry.runner
+        if runner is None or not runner.alive:
+            return True
+        if time.monotonic() < entry.reap_by:
+            return False
+        self.stuck_decoders += 1
+        log.error("stream %s: decoder thread still running %.0f s after the stream was removed (blocked in a "
+                  "read that cannot be interrupted?): forgetting the stream, leaving the thread behind "
+                  "(%d such threads so far)", entry.id, self.reap_bound_s, self.stuck_decoders)
+        return True
 
     def _forget(self, entry: StreamEntry) -> None:
         del self._entries[entry.id]

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from .accounting import Accounting
 from .executor import BatchResult, WorkerThread
+from .faults import FaultPolicy
 from .frame import FailReason
 from .metrics import Metrics
 from .output import OutputStage
@@ -27,13 +28,16 @@ log = logging.getLogger("vidar.pool")
 
 class WorkerSlots:
     def __init__(self, spec: PoolSpec, *, acct: Accounting, output: OutputStage, batch_timeout_s: float,
-                 metrics: Optional[Metrics], wake: Callable[[], None], clock: Callable[[], float]):
+                 metrics: Optional[Metrics], wake: Callable[[], None], clock: Callable[[], float],
+                 faults: Optional[FaultPolicy] = None):
         self.name, self.spec = spec.name, spec
+        self._faults = faults
         self._acct, self._output, self._timeout_s = acct, output, batch_timeout_s
         self._metrics, self._wake, self._clock = metrics, wake, clock
         self.runners: list[WorkerThread] = []
         self.rebuilds = 0  # worker instances replaced after a failed or hung batch
         self.frames_run = 0  # frames whose batch a worker finished (the cluster's cost per frame reads it)
+        self._stopping = False
         acct.add_holder("workers", self.held)
 
     @property
@@ -45,6 +49,7 @@ class WorkerSlots:
         self.runners = [self._new_runner(i, w) for i, w in enumerate(self.spec.workers)]
 
     def stop(self, timeout: float) -> bool:
+        self._stopping = True  # threads that end from here on were told to
         t_end = time.monotonic() + timeout
         ok = True
         for r in self.runners:
@@ -102,7 +107,10 @@ class WorkerSlots:
     # -- watchdog (core thread) ---------------------------------------------------------------------
     def watchdog(self, now: float) -> None:
         """A batch running longer than batch_timeout_s is hung: it fails (model_hang), its worker thread
-        is abandoned and replaced by a fresh one with a rebuilt worker."""
+        is abandoned and replaced by a fresh one with a rebuilt worker. A worker thread that died (a bug
+        outside its per-batch guards) is replaced too: a dead slot is never idle again, and a pool whose
+        slots all died would stall every stream without a word."""
+        self._replace_dead(now)
         for i, r in enumerate(list(self.runners)):
             with self._acct.lock:
                 batch, since = r.current, r.busy_since
@@ -117,3 +125,17 @@ class WorkerSlots:
                 fv.release()  # the hung worker may never get to it
             log.error("pool %s: batch of %d hung for %.1f s on worker %d: replaced the worker", self.name,
                       len(batch.frames), now - since, i)
+
+    def _replace_dead(self, now: float) -> None:
+        for i, r in enumerate(list(self.runners)):
+            if r.alive or r.abandoned or self._stopping:
+                continue
+            with self._acct.lock:
+                batch, r.abandoned, r.current = r.current, True, None
+                if batch is not None:
+                    err = RuntimeError("its worker thread died")
+                    self._output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_ERROR, error=err))
+            self.runners[i] = self._new_runner(i, self._rebuild_worker() if self.spec.factory else r.worker)
+            log.error("pool %s: worker thread %d died: replaced it", self.name, i)
+            if batch is None and self._faults is not None:  # a failed batch is recorded by the output stage
+                self._faults.record("worker thread died")

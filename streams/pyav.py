@@ -4,7 +4,8 @@ Measured here (shared/STACK.md): when an RTSP server dies, PyAV's decode loop ju
 end of file, so for network sources an ended loop is a disconnect (the runner reconnects),
 never an eos. A hung server is noticed only after about twice the read timeout, so a
 timeout is always passed. Corrupt packets are skipped and counted; FFmpeg resyncs at the
-next keyframe.
+next keyframe. Files go to FFmpeg as `file:` + an absolute path (never read as another protocol);
+named pipes and devices through a reader whose open and reads are bounded and cancellable (FileSource).
 
 Latency truth: every frame carries the moment the packet that completed it came out of the
 demuxer, and its decode time counts only packet -> rgb, never the wait for the next packet.
@@ -14,8 +15,12 @@ per extra thread (measured: +67 ms at 30 fps on 2 cores), a delay no deadline wo
 
 from __future__ import annotations
 
+import os
+import select
+import stat
+import threading
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Union
 
 import av
 
@@ -61,21 +66,24 @@ class _PyAVSource(Source):
     def _open_options(self) -> dict:
         return {}
 
+    def _target(self) -> Union[str, "_PipeReader"]:
+        """What av.open is given."""
+        return self.url
+
     def _thread_type(self) -> str:
         return "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
 
     def open(self) -> None:
         self.close()
         try:
-            self._container = av.open(self.url, mode="r", **self._open_options())
-        except FileNotFoundError:
-            raise SourceOpenError(self.stream_id, f"file {self.display_url!r} not found") from None
-        except av.error.InvalidDataError:
-            raise SourceOpenError(self.stream_id, f"{self.display_url!r} is not a video FFmpeg can read "
-                                                  "(invalid data): check the path and the file") from None
-        except (av.error.FFmpegError, OSError) as err:  # FFmpeg's message quotes the URL: redact it
-            why = getattr(err, "strerror", None) or redact_url(str(err))
-            raise SourceOpenError(self.stream_id, f"cannot open {self.display_url!r}: {why}") from None
+            self._container = av.open(self._target(), mode="r", **self._open_options())
+        except SourceOpenError:
+            self.close()
+            raise
+        except (av.error.FFmpegError, OSError) as err:
+            error = self._open_error(err)
+            self.close()
+            raise error from None
         # FFmpeg probes any text file as ANSI-art "video" (format tty): that is not a video.
         if self._container.format.name in _NOT_VIDEO_FORMATS:
             self.close()
@@ -93,6 +101,16 @@ class _PyAVSource(Source):
         self._stream.thread_type = self._thread_type()
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else None
+
+    def _open_error(self, err: Exception) -> SourceOpenError:
+        """The stream's error for an exception out of av.open."""
+        if isinstance(err, FileNotFoundError):
+            return SourceOpenError(self.stream_id, f"file {self.display_url!r} not found")
+        if isinstance(err, av.error.InvalidDataError):
+            return SourceOpenError(self.stream_id, f"{self.display_url!r} is not a video FFmpeg can read "
+                                                   "(invalid data): check the path and the file")
+        why = getattr(err, "strerror", None) or str(err)  # FFmpeg's message quotes the URL: redacted
+        return SourceOpenError(self.stream_id, f"cannot open {self.display_url!r}: {redact_url(why)}")
 
     @property
     def total_frames(self) -> Optional[int]:
@@ -153,7 +171,109 @@ class _PyAVSource(Source):
 
 
 class FileSource(_PyAVSource):
-    """Any container PyAV opens. End of file ends the stream (or loops, if configured)."""
+    """Any container PyAV opens, from a path. End of file ends the stream (or loops, if configured).
+
+    A regular file goes to FFmpeg as `file:` + its absolute path, so no part of a path (`a:b.mp4`) can
+    be read as another protocol. A path that is not a regular file (a named pipe, a character device)
+    is read through _PipeReader, so its open and every read are bounded and a removal cancels them:
+    FFmpeg's own open(2) of a FIFO with no writer blocks for ever, and so would its reads of a writer
+    that went quiet (a decoder thread nothing can end). Options weighed: refusing such paths breaks
+    named pipes as live feeds; unblocking a stuck open by opening the FIFO for writing at removal
+    still leaves reads unbounded. Regular-file reads on a hung network filesystem cannot be
+    interrupted either way; that case is not handled (the runner's reaping logs such a thread).
+    """
+
+    def __init__(self, stream_id: str, path: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
+                 max_frame_pixels: int = 8192 * 8192):
+        super().__init__(stream_id, path, max_frame_pixels=max_frame_pixels)
+        self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
+        self._cancelled = threading.Event()
+        self._pipe: Optional[_PipeReader] = None
+
+    def _target(self) -> Union[str, "_PipeReader"]:
+        path = os.path.abspath(self.url)
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            raise SourceOpenError(self.stream_id, f"file {self.display_url!r} not found") from None
+        except OSError as err:
+            raise SourceOpenError(self.stream_id, f"cannot open {self.display_url!r}: {err.strerror}") from None
+        if stat.S_ISREG(mode) or stat.S_ISDIR(mode):  # a directory: FFmpeg says so
+            return "file:" + path
+        self._pipe = _PipeReader(path, self.open_timeout_s, self.read_timeout_s, self._cancelled)
+        return self._pipe
+
+    def _open_error(self, err: Exception) -> SourceOpenError:
+        if self._pipe is not None and self._pipe.why:  # no data in time, or stopped: say that, not "invalid data"
+            return SourceOpenError(self.stream_id, f"cannot open {self.display_url!r}: {self._pipe.why}")
+        return super()._open_error(err)
+
+    def frames(self) -> Iterator[DecodedFrame]:
+        yield from super().frames()
+        pipe = self._pipe
+        if pipe is not None and pipe.why and not self._cancelled.is_set():
+            self.session_error = pipe.why  # the writer went quiet: the stream ends early, and says why
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    def close(self) -> None:
+        super().close()  # the container first: it reads through the pipe
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
+
+
+class _PipeReader:
+    """A named pipe or character device as a non-seekable file object for PyAV, with bounded reads.
+
+    Opened with O_NONBLOCK (a FIFO's open then returns at once, writer or not); each read waits in
+    poll() slices of at most SLICE_S, so a cancel is seen within one slice. A read returns EOF (b"")
+    when the writer closed, when no data came for the open timeout (before the first byte) or the read
+    timeout (after it), or when cancelled; `why` says which of the last two. On Linux a FIFO that never
+    had a writer does not poll readable, so no writer is a wait, not an EOF.
+    """
+
+    SLICE_S = 0.1
+
+    def __init__(self, path: str, open_timeout_s: float, read_timeout_s: float, cancelled: threading.Event):
+        self._fd: Optional[int] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)
+        self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
+        self._cancelled = cancelled
+        self._got_data = False
+        self.why = ""
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = 65536) -> bytes:
+        wait_s = self.read_timeout_s if self._got_data else self.open_timeout_s
+        deadline = time.monotonic() + wait_s
+        while self._fd is not None and not self.why:  # once timed out or stopped, EOF at once (FFmpeg retries)
+            if self._cancelled.is_set():
+                self.why = "stopped"
+                return b""
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.why = (f"no data from the pipe for {wait_s:g} s" if self._got_data else
+                            f"no data from the pipe within {wait_s:g} s (no writer?)")
+                return b""
+            if not self._poll.poll(min(self.SLICE_S, left) * 1000):  # poll, not select: fds above 1024
+                continue
+            try:
+                data = os.read(self._fd, size)
+            except BlockingIOError:  # another reader took it (a FIFO can have several)
+                continue
+            self._got_data = self._got_data or bool(data)
+            return data  # b"": the writer closed the pipe (end of stream)
+        return b""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class NetworkSource(_PyAVSource):
@@ -168,6 +288,12 @@ class NetworkSource(_PyAVSource):
                  max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url, max_frame_pixels=max_frame_pixels)
         self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
+
+    def _target(self) -> str:
+        # vidar reads schemes case-insensitively (RTSP://cam is allowed); FFmpeg matches protocol names
+        # case-sensitively, so it is handed the scheme in lower case
+        scheme, sep, rest = self.url.partition("://")
+        return scheme.lower() + sep + rest
 
     def _open_options(self) -> dict:
         options = {}

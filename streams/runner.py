@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Callable, Optional
 
@@ -23,7 +24,7 @@ from engine.ring import FrameRing
 from engine.threaded import OwnThread
 
 from .backoff import Backoff
-from .base import DecodedFrame, Source
+from .base import DecodedFrame, Source, redact_url
 
 log = logging.getLogger("vidar.source")
 
@@ -59,6 +60,7 @@ class SourceRunner(OwnThread):
     def stop(self) -> None:
         self._stop.set()
         self.ring.close()  # wakes a writer blocked on back-pressure
+        self.source.cancel()  # and a blocked open or read (a named pipe with no writer)
 
     # -- thread body ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -68,10 +70,15 @@ class SourceRunner(OwnThread):
             else:
                 self._run_finite()
         except SourceError as err:
-            self._fail(err.reason)
+            if self._stop.is_set():  # an open the stop cancelled: a removal, not a failure
+                self.end_reason = "stopped"
+            else:
+                self._fail(err.reason)
         except Exception as err:  # a bug or an unexpected library error: contain it to this stream
-            log.exception("stream %s: decoder thread crashed", self.stream)
-            self._fail(f"internal error: {type(err).__name__}: {err}")
+            # The message (and so the traceback's last line) may quote the URL: both are redacted.
+            log.error("stream %s: decoder thread crashed:\n%s", self.stream,
+                      redact_url("".join(traceback.format_exception(err)).rstrip()))
+            self._fail(redact_url(f"internal error: {type(err).__name__}: {err}"))
         finally:
             self.source.close()
             self.ring.close()

@@ -16,30 +16,59 @@ import numpy as np
 
 from engine.errors import SourceOpenError
 
-from .base import DecodedFrame, Source
+from .base import DecodedFrame, Source, redact_url
 
 _PATTERNS = ("shapes",)
 
 
 def _parse(stream_id: str, url: str) -> dict:
+    """The URL's parameters, each checked on its own: an error names the parameter, its value and the
+    allowed range (a bad one was once caught only by numpy, as "internal error: ValueError")."""
     u = urlparse(url)
     pattern = u.netloc or u.path.strip("/")
     if pattern not in _PATTERNS:
-        raise SourceOpenError(stream_id, f"unknown synthetic pattern {pattern!r} in {url!r}; allowed: {_PATTERNS}")
-    q = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        shown = redact_url(url)  # `synthetic://user:pw@x`: not a pattern, and no place to echo a password
+        pattern = redact_url(f"synthetic://{pattern}")[len("synthetic://"):]
+        raise SourceOpenError(stream_id, f"unknown synthetic pattern {pattern!r} in {shown!r}; allowed: {_PATTERNS}")
+    q = {k: v[-1] for k, v in parse_qs(u.query, keep_blank_values=True).items()}
     unknown = set(q) - {"size", "fps", "frames", "seed"}
     if unknown:
         raise SourceOpenError(stream_id, f"unknown synthetic parameters {sorted(unknown)}; allowed: size, fps, frames, seed")
-    try:
-        w, h = (int(x) for x in q.get("size", "640x360").lower().split("x"))
-        fps = float(q.get("fps", 30))
-        frames = int(q["frames"]) if "frames" in q else None
-        seed = int(q.get("seed", 0))
-    except ValueError:
-        raise SourceOpenError(stream_id, f"bad synthetic parameters in {url!r}: size=WxH, fps=number, frames=int, seed=int") from None
-    if not (16 <= w <= 8192 and 16 <= h <= 8192 and 0 < fps <= 1000) or (frames is not None and frames < 1):
-        raise SourceOpenError(stream_id, f"synthetic parameters out of range in {url!r}: 16<=W,H<=8192, 0<fps<=1000, frames>=1")
-    return {"w": w, "h": h, "fps": fps, "frames": frames, "seed": seed}
+
+    def bad(name: str, allowed: str) -> SourceOpenError:
+        return SourceOpenError(stream_id, f"synthetic parameter {name}={q[name]!r}: {allowed}")
+
+    w, h = 640, 360
+    if "size" in q:
+        parts = q["size"].lower().split("x")
+        if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
+            raise bad("size", "WIDTHxHEIGHT in pixels, e.g. 640x360")
+        w, h = int(parts[0]), int(parts[1])
+        if not (16 <= w <= 8192 and 16 <= h <= 8192):
+            raise bad("size", "each side from 16 to 8192 pixels")
+    fps = 30.0
+    if "fps" in q:
+        try:
+            fps = float(q["fps"])
+        except ValueError:
+            raise bad("fps", "a number of frames per second, 0 < fps <= 1000") from None
+        if not 0 < fps <= 1000:  # also NaN and inf
+            raise bad("fps", "a number of frames per second, 0 < fps <= 1000")
+    frames = _int_param(q, "frames", 1, 2 ** 62, bad)
+    seed = _int_param(q, "seed", 0, 2 ** 32 - 2, bad)  # seed + 1 seeds the shapes: both within 32 bits
+    return {"w": w, "h": h, "fps": fps, "frames": frames, "seed": 0 if seed is None else seed}
+
+
+def _int_param(q: dict, name: str, lo: int, hi: int, bad) -> Optional[int]:
+    if name not in q:
+        return None
+    text = q[name]
+    if not (text.isascii() and text.lstrip("-").isdigit()) or len(text) > 20:
+        raise bad(name, f"an integer from {lo} to {hi}")
+    value = int(text)
+    if not lo <= value <= hi:
+        raise bad(name, f"an integer from {lo} to {hi}")
+    return value
 
 
 def render_background(w: int, h: int, seed: int) -> np.ndarray:
@@ -76,6 +105,11 @@ class SyntheticSource(Source):
     @property
     def total_frames(self) -> Optional[int]:
         return self._n
+
+    @property
+    def frame_size(self) -> tuple[int, int]:
+        """(width, height), known before opening: the engine reserves the stream's ring memory at add."""
+        return self.w, self.h
 
     def render(self, n: int) -> np.ndarray:
         """Frame n (deterministic)."""

@@ -44,7 +44,7 @@ def tree(**patch):
     ({"security": {"curve": True, "server_key": "k", "authorized_clients": "d"}, "view": {"enabled": False},
       "cluster": {}}, r"security\.curve with a cluster: section is not supported yet"),
     ({"cluster": {"pin": {"cam1": "zone"}}}, r"cluster\.pin\.cam1: 'zone' is not a node label"),
-    ({"view": {"host": "0.0.0.0"}}, r"view\.host: '0\.0\.0\.0' is not a loopback address and view\.token is not set"),
+    ({"view": {"host": "0.0.0.0"}}, r"without a guard: view\.host='0\.0\.0\.0' \(set view\.token"),
 ], ids=lambda v: str(v)[:40])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message):

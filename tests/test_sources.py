@@ -1,6 +1,8 @@
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.timeout(60)
+
 from engine.errors import SourceOpenError
 from streams import open_source, redact_url
 from streams.pyav import FileSource
@@ -27,9 +29,20 @@ def test_synthetic_finite_stream():
 
 @pytest.mark.parametrize("url, message", [
     ("synthetic://circles", "unknown synthetic pattern 'circles'"),
-    ("synthetic://shapes?size=big", "bad synthetic parameters"),
+    ("synthetic://shapes?size=big", "synthetic parameter size='big': WIDTHxHEIGHT"),
     ("synthetic://shapes?colour=red", r"unknown synthetic parameters \['colour'\]"),
-    ("synthetic://shapes?size=8x8", "out of range"),
+    ("synthetic://shapes?size=8x8", "synthetic parameter size='8x8': each side from 16 to 8192"),
+    # each parameter named with its value and range (seed=-2 once reached numpy: "internal error: ValueError")
+    ("synthetic://shapes?seed=-2", "synthetic parameter seed='-2': an integer from 0 to 4294967294"),
+    ("synthetic://shapes?seed=4294967295", "synthetic parameter seed='4294967295'"),
+    ("synthetic://shapes?seed=1.5", "synthetic parameter seed='1.5'"),
+    ("synthetic://shapes?fps=nan", "synthetic parameter fps='nan': a number"),
+    ("synthetic://shapes?fps=inf", "synthetic parameter fps='inf'"),
+    ("synthetic://shapes?fps=0", "synthetic parameter fps='0'"),
+    ("synthetic://shapes?frames=0", "synthetic parameter frames='0': an integer from 1"),
+    ("synthetic://shapes?frames=", "synthetic parameter frames='': an integer"),
+    ("synthetic://shapes?size=%C2%B2x16", "synthetic parameter size='²x16'"),
+    ("synthetic://shapes?size=16x16x3", "synthetic parameter size='16x16x3'"),
 ])
 def test_synthetic_bad_urls(url, message):
     with pytest.raises(SourceOpenError, match=f"stream 'cam9': .*{message}"):
@@ -79,7 +92,7 @@ _TCP = {"rtsp_transport": "tcp"}
 @pytest.mark.parametrize("url, kind, opened, options", [
     # network: timeouts always, reconnects (source.network); RTSP over TCP
     ("rtsp://u:secret@10.0.0.1/x", "network", "rtsp://u:secret@10.0.0.1/x", _TCP),
-    ("RTSP://10.0.0.1/x", "network", "RTSP://10.0.0.1/x", _TCP),
+    ("RTSP://10.0.0.1/x", "network", "rtsp://10.0.0.1/x", _TCP),  # FFmpeg matches protocol names in lower case
     ("rtsps://10.0.0.1/x", "network", "rtsps://10.0.0.1/x", _TCP),
     ("http://10.0.0.1/live.ts", "network", "http://10.0.0.1/live.ts", {}),
     ("https://10.0.0.1/live.m3u8", "network", "https://10.0.0.1/live.m3u8", {}),
@@ -87,17 +100,26 @@ _TCP = {"rtsp_transport": "tcp"}
     ("udp://@239.0.0.1:5000", "network", "udp://@239.0.0.1:5000", {}),
     ("srt://10.0.0.1:9000", "network", "srt://10.0.0.1:9000", {}),
     ("tcp://10.0.0.1:9000", "network", "tcp://10.0.0.1:9000", {}),
-    # files: a path, or file://
-    ("/videos/a.mp4", "file", "/videos/a.mp4", None),
-    ("videos/a@b.mp4", "file", "videos/a@b.mp4", None),
-    ("file:///videos/a.mp4", "file", "/videos/a.mp4", None),
+    # files ({d}: a folder holding them; relative paths are from it): a path, file:PATH or file://PATH,
+    # always handed to FFmpeg as file: + the absolute path (never read as another protocol)
+    ("{d}/videos/a.mp4", "file", "file:{d}/videos/a.mp4", None),
+    ("videos/a@b.mp4", "file", "file:{d}/videos/a@b.mp4", None),
+    ("videos/a:b.mp4", "file", "file:{d}/videos/a:b.mp4", None),
+    ("file://{d}/videos/a.mp4", "file", "file:{d}/videos/a.mp4", None),
+    ("file:c:d.mp4", "file", "file:{d}/c:d.mp4", None),
     ("synthetic://shapes?size=64x48", "synthetic", None, None),
     # anything else is refused by name, never opened as a file without timeouts
     ("ftp://u:pw@10.0.0.1/a.mp4", "error", r"unsupported URL scheme 'ftp' in 'ftp://\*\*\*@10.0.0.1/a.mp4'", None),
-    ("webrtc://10.0.0.1/x", "error", "unsupported URL scheme 'webrtc'.*allowed: a file path \\(or file://\\), "
-                                     "synthetic://, or a network URL: rtsp, rtsps, http, https, rtmp, udp, srt, tcp", None),
+    ("webrtc://10.0.0.1/x", "error", "unsupported URL scheme 'webrtc'.*allowed: a file path \\(or file:PATH, "
+                                     "file://PATH\\), synthetic://, or a network URL: rtsp://, rtsps://, http://, "
+                                     "https://, rtmp://, udp://, srt://, tcp://", None),
 ])
-def test_url_scheme_table(url, kind, opened, options, monkeypatch):
+def test_url_scheme_table(url, kind, opened, options, monkeypatch, tmp_path):
+    for name in ("videos/a.mp4", "videos/a@b.mp4", "videos/a:b.mp4", "c:d.mp4"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    url, opened = url.format(d=tmp_path), opened.format(d=tmp_path) if opened else opened
     calls = []
 
     def fake_open(target, mode="r", **kw):  # record what PyAV would be asked, then refuse
@@ -155,6 +177,7 @@ def test_unreachable_rtsp_fails_fast_and_names_the_stream():
     ("rtsp://admin:hunter2@cam.local:554/s1", "rtsp://***@cam.local:554/s1"),
     ("rtsp://cam.local/s1", "rtsp://cam.local/s1"),
     ("/videos/a@b.mp4", "/videos/a@b.mp4"),
+    # more (the last `@`, spaces, query keys, free text): tests/test_hostile_sources.py
 ])
 def test_redact_url(url, shown):
     assert redact_url(url) == shown

@@ -390,11 +390,15 @@ def test_a_token_guards_the_page_the_api_and_the_websocket(endpoint):
     ("0.0.0.0", TOKEN, True), ("0.0.0.0", "short", False),
 ])
 def test_only_loopback_may_go_without_a_token(host, token, ok):
+    """The view's part of the rule for every listening socket (engine/binds.py, tests/test_hostile.py)."""
+    from engine.config import build_config
+    from engine.errors import ConfigError
+    tree = {"streams": [{"id": "a", "url": "synthetic://shapes"}], "view": {"host": host, "token": token}}
     if ok:
-        ViewConfig(host=host, token=token)
+        build_config(tree, cuda_available=True)
     else:
-        with pytest.raises(ValueError, match="view.token|at least 16"):
-            ViewConfig(host=host, token=token)
+        with pytest.raises(ConfigError, match=r"view\.host=.* \(set view\.token|at least 16"):
+            build_config(tree, cuda_available=True)
 
 
 def test_auto_token_is_fresh_and_long():

@@ -93,7 +93,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     for name, why in engines["pending"].items():
         print(f"{name}  pending: {why}")
     for sid, s in streams["streams"].items():
-        print(f"  {sid:<12} {s['state']:<10} on {s['engine'] or s.get('waiting', '-')}  relocations {s['relocations']}")
+        where = f"on {s['engine']}" if s["engine"] else f"{s['state']}: {s.get('waiting', '-')}"
+        print(f"  {sid:<12} {s['state']:<10} {where}  {s.get('fps', '-')} fps ({s.get('fps_from', '-')})  "
+              f"relocations {s['relocations']}")
     return 0
 
 

@@ -13,6 +13,11 @@ frames the dead engine held at its last report (`in_flight`), the SAM 2 memory b
 the decoder session. Frames it decoded after its last report are seen by nobody (at most one
 heartbeat's worth per stream); the README says so.
 
+A stream no engine has room for is kept in the desired state as pending (an `error` event says why)
+and tried again at every heartbeat, as the reports show the engines' load change; when it is placed a
+`started` event names the engine. A stream is costed at its rate (rates.py): declared by its URL or
+its file's container, else the `cluster.stream_fps` estimate until the reports have measured it.
+
 Requests (`control`) run on the actor's threads and take the same lock as the loop: one owner.
 """
 
@@ -32,7 +37,8 @@ from pydantic import ValidationError
 from streams import redact_url
 
 from ..config import ClusterConfig, StreamConfig, build_config
-from .placement import EngineLoad, choose, engines_that_fit, measured_streams, place, stream_fps
+from .placement import EngineLoad, choose, engines_that_fit, fits_idle, measured_streams, place
+from .rates import ESTIMATE, IngestRates, cost_fps, declared_fps
 
 log = logging.getLogger("vidar.cluster")
 
@@ -41,6 +47,9 @@ CALL_S = 20.0   # an engine call the controller waits for (add_stream opens the 
 SETTLE_MAX_S = 30.0  # a placed stream's estimated cost counts until a report measures it, at most this long
 ODD_REPORTS = 4  # reports in a row that disagree with the assignment before the controller acts on it
 PAST_KEPT = 8    # incarnations' last counts kept per stream
+REFUSED_MAX_S = 30.0  # a stream an engine refused (not for room) is tried again at most this far apart
+RATE_MIN_REPORTS = 4    # a stream's ingest rate is measured over at least this many heartbeats...
+RATE_WINDOW_REPORTS = 20  # ...and at most this many (a source that changes its rate is followed)
 
 
 @dataclass
@@ -63,10 +72,15 @@ class Controller:
         self._key = f"vidar/{self.cc.namespace}/state".encode()
         self.state = self._load() or {"streams": {}, "objects": {}, "assign": {}, "relocations": {}, "lost": {},
                                       "past": {}}
+        self.state.setdefault("rates", {})  # stream -> [declared fps, where from] (rates.py), kept across restarts
         self.engines: dict[str, _Engine] = {}
         self.starting: dict[str, tuple[Any, Any, str]] = {}  # name -> (handle, info ref, node id)
         self.pending: dict[str, str] = {}                    # engines that cannot start, and why
         self.unplaced: dict[str, str] = {}                   # streams waiting for an engine, and why
+        self.unplaced_since: dict[str, float] = {}           # ... since when (monotonic)
+        self.refused_backoff: dict[str, tuple[float, float]] = {}  # sid -> (next try, pause): refused by an engine
+        hb = self.cc.heartbeat_s
+        self.rates = IngestRates(min_span_s=RATE_MIN_REPORTS * hb, window_s=RATE_WINDOW_REPORTS * hb)
         self.moving: dict[str, str] = {}                     # streams whose engine was lost, and why
         self._odd: Counter = Counter()                       # (engine, stream) reports that disagree in a row
         self.draining: set[str] = set(self.state.get("draining", []))  # node ids (kept across restarts)
@@ -198,6 +212,7 @@ class Controller:
                     continue
                 measured = measured_streams(e.report, rep)
                 e.misses, e.report = 0, rep
+                self.rates.update(e.name, rep, time.monotonic())
                 self._reconcile(e)
                 e.load.busy, e.load.frame_s = rep["busy"], rep["frame_s"]
                 e.load.drop_share = rep["drop_share"]
@@ -260,37 +275,82 @@ class Controller:
         del past[:-PAST_KEPT]
 
     def _place_unassigned(self) -> None:
+        """Every stream without an engine (pending, or its engine lost) is tried again: at every heartbeat,
+        so a stream waiting for room is placed at the first report that shows some."""
         for sid, scfg in self.state["streams"].items():
             name = self.state["assign"].get(sid)
             if name in self.engines or name in self.starting:  # running, or its engine is being found again
                 continue
-            err = self._start_on(sid, scfg, exclude=set(), relocated=self.moving.get(sid))
+            now = time.monotonic()
+            t_next, pause = self.refused_backoff.get(sid, (0.0, 0.0))
+            if now < t_next:  # an engine refused it (not for room): tried again with backoff, not every beat
+                continue
+            since = self.unplaced_since.get(sid)
+            placed = None if sid in self.moving or since is None else f"after {now - since:.1f} s pending"
+            err = self._start_on(sid, scfg, exclude=set(), relocated=self.moving.get(sid), placed=placed)
             if err:
-                self.unplaced[sid] = err
+                self._wait_for_room(sid, err.why)
+                if not err.retry:  # each try may cost a call of up to CALL_S under the lock
+                    pause = min(REFUSED_MAX_S, max(2 * self.cc.heartbeat_s, 2 * pause))
+                    self.refused_backoff[sid] = (time.monotonic() + pause, pause)
             else:
-                self.unplaced.pop(sid, None)
-                self.moving.pop(sid, None)
+                self.refused_backoff.pop(sid, None)
+                self._placed(sid)
+
+    def _wait_for_room(self, sid: str, why: str) -> None:
+        """The stream waits (pending) for an engine; said once, when it starts waiting (the reason's numbers
+        change at every try): logged, in `list`, and as an `error` event on its topic."""
+        self.unplaced[sid] = why
+        if sid in self.unplaced_since:
+            return
+        self.unplaced_since[sid] = time.monotonic()
+        log.warning("stream %s pending: %s", sid, why)
+        self._event(sid, "pending", f"{why}; it starts as soon as an engine has room")
+
+    def _placed(self, sid: str) -> None:
+        self.unplaced.pop(sid, None)
+        self.unplaced_since.pop(sid, None)
+        self.refused_backoff.pop(sid, None)
+        self.moving.pop(sid, None)
+
+    def _event(self, sid: str, kind: str, reason: str) -> None:
+        """An event for a stream that runs nowhere, through any engine's publisher (the head's proxy
+        follows them all); none runs: only logged. Not waited for."""
+        for e in sorted(self.engines.values(), key=lambda e: e.name):
+            e.handle.event.remote(sid, kind, reason)
+            return
+        log.info("stream %s: no engine runs to publish its %s event", sid, kind)
+
+    def _fps(self, sid: str, scfg: dict) -> tuple[float, str]:
+        """(the rate a stream is costed at, where it came from): its declared rate (URL, container), or
+        the estimate until the reports have measured it, then the measurement."""
+        declared = tuple(self.state["rates"].get(sid) or declared_fps(scfg["url"], self.cc.stream_fps, probe=False))
+        measured = self.rates.fps.get(sid)
+        fps = cost_fps(declared, measured)
+        return fps, ("measured" if declared[1] == ESTIMATE and measured is not None else declared[1])
 
     def _start_on(self, sid: str, scfg: dict, *, exclude: set[str], relocated: Optional[str],
-                  target: Optional[_Engine] = None) -> Optional[str]:
+                  target: Optional[_Engine] = None, placed: Optional[str] = None) -> Optional[_NotPlaced]:
         """Place and start one stream; None, or why it could not be."""
         import ray
         pools = scfg.get("pools") or list(self.cfg.models.configured())
-        fps = stream_fps(scfg["url"], self.cc.stream_fps)
+        fps, fps_from = self._fps(sid, scfg)
         if target is None:
             loads = [e.load for e in self.engines.values() if e.name not in exclude]
+            offline, pin = scfg.get("mode") == "offline", self.cc.pin.get(sid)
             chosen, why = choose(loads, stream=sid, pools=pools, fps=fps, max_load=self.cc.max_load,
-                                 pin=self.cc.pin.get(sid), offline=scfg.get("mode") == "offline")
+                                 pin=pin, offline=offline, fps_from=fps_from)
             if chosen is None:
-                return why
+                return _NotPlaced(why, offline or fits_idle(loads, pools=pools, fps=fps, max_load=self.cc.max_load,
+                                                            pin=pin))
             target = self.engines[chosen.name]
         objects = list(self.state["objects"].get(sid, {}).values())
         try:
-            reply = ray.get(target.handle.add_stream.remote(scfg, objects, relocated), timeout=CALL_S)
+            reply = ray.get(target.handle.add_stream.remote(scfg, objects, relocated, placed), timeout=CALL_S)
         except Exception as err:
-            return f"engine {target.name} did not take stream {sid!r}: {type(err).__name__}"
+            return _NotPlaced(f"engine {target.name} did not take stream {sid!r}: {type(err).__name__}", False)
         if not reply["ok"]:
-            return reply["error"]
+            return _NotPlaced(reply["error"], False)
         place(target.load, pools, fps, time.monotonic(), sid)
         if relocated:
             target.relocated_in += 1
@@ -303,16 +363,29 @@ class Controller:
         """The control socket's ops plus list_engines, move_stream, drain_node; never raises."""
         op = req.get("op") if isinstance(req, dict) else None
         try:
+            # outside the lock: reading a file's rate opens it (bounded by rates.PROBE_S), and the
+            # heartbeats must not wait for that
+            rate = self._declared(req) if op == "add_stream" else None
             with self._lock:
-                return self._handle(op, req)
+                return self._handle(op, req, rate)
         except _Refused as err:
             return {"ok": False, "error": str(err)}
         except Exception as err:  # a bug must not take the controller down
             log.exception("controller: %s failed", op)
             return {"ok": False, "error": f"internal error: {type(err).__name__}: {redact_url(str(err))}"}
 
-    def _handle(self, op, req: dict) -> dict:
-        handlers = {"list": self._list, "list_engines": self._list_engines, "add_stream": self._add_stream,
+    def _declared(self, req: dict) -> Optional[tuple[float, str]]:
+        """A valid stream's declared rate; nothing is read for a request the add would refuse (a URL
+        FFmpeg would read as a protocol is never opened here)."""
+        try:
+            url = StreamConfig.model_validate(req.get("stream")).url
+        except Exception:  # refused with its reason by _add_stream
+            return None
+        return declared_fps(url, self.cc.stream_fps)
+
+    def _handle(self, op, req: dict, rate: Optional[tuple[float, str]] = None) -> dict:
+        handlers = {"list": self._list, "list_engines": self._list_engines,
+                    "add_stream": lambda r: self._add_stream(r, rate),
                     "remove_stream": self._remove_stream, "move_stream": self._move_stream,
                     "drain_node": self._drain_node, "add_object": self._object_op,
                     "remove_object": self._object_op, "reset_stream": self._object_op}
@@ -333,7 +406,9 @@ class Controller:
                            "try again")
         return e
 
-    def _add_stream(self, req: dict) -> dict:
+    def _add_stream(self, req: dict, rate: Optional[tuple[float, str]]) -> dict:
+        """Placed now, or kept pending when no engine has room now (`pending`: why; placed at a later
+        heartbeat). Refused: a stream that would not fit even an idle engine, or that the engine refused."""
         try:
             scfg = StreamConfig.model_validate(req.get("stream"))
         except ValidationError as err:
@@ -342,11 +417,17 @@ class Controller:
         if scfg.id in self.state["streams"]:
             raise _Refused(f"add_stream: stream id {scfg.id!r} is already running; remove it first")
         tree = scfg.model_dump(exclude_none=True)
+        self.rates.forget(scfg.id)  # a measurement of an earlier stream of this id is not this one's
+        self.state["rates"][scfg.id] = list(rate or declared_fps(scfg.url, self.cc.stream_fps, probe=False))
         err = self._start_on(scfg.id, tree, exclude=set(), relocated=None)
-        if err:
-            raise _Refused(f"add_stream: {err}")
+        if err and not err.retry:
+            self.state["rates"].pop(scfg.id, None)
+            raise _Refused(f"add_stream: {err.why.removeprefix('add_stream: ')}")  # the engine's reply says it already
         self.state["streams"][scfg.id] = tree
         self._save()
+        if err:
+            self._wait_for_room(scfg.id, err.why)
+            return {"ok": True, "stream": scfg.id, "engine": None, "pending": err.why}
         return {"ok": True, "stream": scfg.id, "engine": self.state["assign"][scfg.id]}
 
     def _remove_stream(self, req: dict) -> dict:
@@ -355,10 +436,10 @@ class Controller:
         e = self.engines.get(self.state["assign"].get(sid) or "")
         if e is not None:
             ray.get(e.handle.control.remote({"op": "remove_stream", "stream": sid}), timeout=CALL_S)
-        for k in ("streams", "objects", "assign", "relocations", "lost", "past"):
+        for k in ("streams", "objects", "assign", "relocations", "lost", "past", "rates"):
             self.state[k].pop(sid, None)
-        self.unplaced.pop(sid, None)
-        self.moving.pop(sid, None)
+        self._placed(sid)
+        self.rates.forget(sid)
         self._save()
         return {"ok": True}
 
@@ -397,9 +478,9 @@ class Controller:
         pools = scfg.get("pools") or list(self.cfg.models.configured())
         if to is None:
             loads = [e.load for e in self.engines.values() if e.name not in exclude]
-            chosen, reason = choose(loads, stream=sid, pools=pools, fps=stream_fps(scfg["url"], self.cc.stream_fps),
-                                    max_load=self.cc.max_load, pin=self.cc.pin.get(sid),
-                                    offline=scfg.get("mode") == "offline")
+            fps, fps_from = self._fps(sid, scfg)
+            chosen, reason = choose(loads, stream=sid, pools=pools, fps=fps, max_load=self.cc.max_load,
+                                    pin=self.cc.pin.get(sid), offline=scfg.get("mode") == "offline", fps_from=fps_from)
             if chosen is None:
                 return reason
             to = chosen.name
@@ -414,10 +495,10 @@ class Controller:
         self.state["relocations"][sid] = self.state["relocations"].get(sid, 0) + 1
         err = self._start_on(sid, scfg, exclude=set(), relocated=why, target=self.engines[to])
         if err:
-            self.unplaced[sid] = err
-        else:
-            self.moving.pop(sid, None)
-        return err
+            self._wait_for_room(sid, err.why)
+            return err.why
+        self._placed(sid)
+        return None
 
     def _drain_node(self, req: dict) -> dict:
         node = req.get("node")
@@ -444,8 +525,11 @@ class Controller:
             name = self.state["assign"].get(sid)
             e = self.engines.get(name or "")
             rep = e.report.get("streams", {}).get(sid, {}) if e else {}
+            waiting = "pending" if sid in self.unplaced and sid not in self.moving else "moving"
+            fps, fps_from = self._fps(sid, scfg)
             out[sid] = {"url": redact_url(scfg["url"]), "mode": scfg.get("mode", "live"), "engine": name,
-                        "node": e.load.node_id if e else None, "state": rep.get("state", "moving" if name is None else "starting"),
+                        "node": e.load.node_id if e else None, "state": rep.get("state", waiting if name is None else "starting"),
+                        "fps": round(fps, 2), "fps_from": fps_from,
                         "counts": rep.get("counts", {}), "objects": sorted(int(i) for i in self.state["objects"].get(sid, {})),
                         "relocations": self.state["relocations"].get(sid, 0), "lost": self.state["lost"].get(sid, {}),
                         "past": self.state["past"].get(sid, [])}
@@ -500,3 +584,12 @@ class Controller:
 
 class _Refused(Exception):
     """A request refused with a reason (becomes {"ok": false, "error": ...})."""
+
+
+@dataclass
+class _NotPlaced:
+    """Why a stream was not started. `retry`: no engine has room for it now but one could (it waits,
+    pending); else it would not fit even an idle engine, or the engine refused it."""
+
+    why: str
+    retry: bool

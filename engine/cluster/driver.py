@@ -21,6 +21,8 @@ import msgpack
 import zmq
 
 from ..config import ClusterConfig, EngineConfig
+from ..binds import ZMQ_HANDSHAKE_MS
+from ..control import encode_reply
 from ..errors import ConfigError
 from .proxy import ResultsProxy
 
@@ -108,12 +110,16 @@ class ClusterDriver:
 
     def start(self) -> None:
         """Raises ConfigError for what is wrong at start (nothing left running)."""
+        from ..binds import exposure_warning
+        if self.cfg.security.allow_insecure_bind and (warning := exposure_warning(self.cfg)):
+            log.warning("%s", warning)  # the config refused these without the flag (engine/binds.py)
         ray = connect(self.cc.address, self.cc.namespace)
         self.ray = ray
         try:
             self.proxy = ResultsProxy(self.cc.publish.endpoint, self.cc.publish.hwm, self._ctx)
             self._ctl = self._ctx.socket(zmq.REP)
             self._ctl.setsockopt(zmq.LINGER, 0)
+            self._ctl.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # as the engine's control socket
             try:
                 self._ctl.bind(self.cc.control.endpoint)
             except zmq.ZMQError as err:
@@ -158,19 +164,20 @@ class ClusterDriver:
             time.sleep(0.5)
 
     def _serve_metrics(self) -> None:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
+
+        from ..metrics import serve_registry
         registry = CollectorRegistry()
         registry.register(_ClusterCollector(self))
-        try:
-            self._metrics, _ = start_http_server(self.cfg.metrics.port, addr=self.cfg.metrics.host, registry=registry)
-        except OSError as err:
-            raise ConfigError(f"metrics.port: cannot serve on {self.cfg.metrics.host}:{self.cfg.metrics.port}: "
-                              f"{err}") from None
+        m = self.cfg.metrics  # guarded as an engine's: the Host check, or metrics.token
+        self._metrics = serve_registry(registry, m.host, m.port, m.token)
 
     def _apply(self, req: dict, where: str) -> None:
         reply = self.control(req)
         if not reply["ok"] and "already running" not in reply["error"]:  # adopting a running cluster
             raise ConfigError(f"{where}: {reply['error']}")
+        if reply.get("pending"):  # no room now: the controller places it when the reports show some
+            log.warning("%s: pending: %s", where, reply["pending"])
 
     def control(self, req: dict) -> dict:
         try:
@@ -188,7 +195,10 @@ class ClusterDriver:
 
     def _follow_loop(self) -> None:
         while not self._stop.wait(0.5):
-            self._follow()
+            try:
+                self._follow()
+            except Exception:  # the proxy must keep following the engines: logged, tried again
+                log.exception("cluster: following the engines' endpoints failed; retrying")
 
     def _serve_control(self) -> None:
         sock = self._ctl
@@ -200,7 +210,10 @@ class ClusterDriver:
                 reply = self.control(req) if isinstance(req, dict) else {"ok": False, "error": "a request is a map"}
             except Exception:
                 reply = {"ok": False, "error": "request is not valid msgpack"}
-            sock.send(msgpack.packb(reply, use_bin_type=True))
+            try:
+                sock.send(encode_reply(reply))  # a reply that cannot be encoded becomes an error reply
+            except zmq.ZMQError:  # the peer went; the REP socket is ready for the next request
+                log.exception("cluster: control reply not sent")
 
     def status_lines(self) -> list[str]:
         reply = self.control({"op": "list"})
@@ -209,8 +222,8 @@ class ClusterDriver:
         out = []
         for sid, s in reply["streams"].items():
             pub = sum(c["published"] for c in s["counts"].values())
-            where = s["engine"] or f"waiting: {s.get('waiting', 'moving')}"
-            out.append(f"[cluster] {sid:<10} {s['state']:<12} on {where}  published {pub}  "
+            where = f"on {s['engine']}" if s["engine"] else f"waiting: {s.get('waiting', 'moving')}"
+            out.append(f"[cluster] {sid:<10} {s['state']:<12} {where}  published {pub}  "
                        f"relocations {s['relocations']}  objects {s['objects']}")
         return out
 
@@ -234,6 +247,7 @@ class ClusterDriver:
                 pass
         if getattr(self, "_metrics", None) is not None:
             self._metrics.shutdown()
+            self._metrics.server_close()
         if self.proxy is not None:
             self.proxy.close()
         if self._ctl is not None:

@@ -65,11 +65,12 @@ class EngineActor:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "started": self.started}
 
     def report(self) -> dict:
-        """What the controller needs each heartbeat: streams with their counts, and load per pool."""
+        """What the controller needs each heartbeat: streams with their counts, and load per pool; `t`
+        (this process's monotonic clock, when the counts were read) times the streams' ingest rates."""
         eng = self.engine
         if eng.check_dead():
             return {"dead": eng.dead_reason}
-        streams = {}
+        t, streams = time.monotonic(), {}
         described = eng.describe()
         for sid, d in described.items():
             counts = {}
@@ -91,7 +92,7 @@ class EngineActor:
             self._last[name + "/drops"] = (offered, d)
             # a removed stream's counters go with it: a negative difference is no interval to judge
             drop_share[name] = (d - d0) / (offered - o0) if offered - o0 > 0 and d >= d0 else 0.0
-        return {"streams": streams, "busy": busy, "frame_s": frame_s, "drop_share": drop_share}
+        return {"streams": streams, "busy": busy, "frame_s": frame_s, "drop_share": drop_share, "t": t}
 
     def _frame_s(self, name: str, pool, busy_s: float) -> float:
         """A pool's cost per frame in busy-share units (seconds of its busier stage per frame / workers):
@@ -112,15 +113,19 @@ class EngineActor:
         self._cost[name], self._ran[name] = (b0, n0, est), n
         return b1 if est is None else min(est, b1) if b1 > 0 else est
 
-    def add_stream(self, scfg: dict, objects: list[dict], relocated: Optional[str] = None) -> dict:
+    def add_stream(self, scfg: dict, objects: list[dict], relocated: Optional[str] = None,
+                   placed: Optional[str] = None) -> dict:
         """Start a stream (and re-add its SAM 2 objects from their prompts); `relocated`: why it moved
-        here (published as its `relocated` event as soon as it runs)."""
+        here (published as its `relocated` event as soon as it runs); `placed`: how long it waited for
+        room (pending), published as a `started` event naming this engine."""
         eng = self.engine
         reply = eng.control({"op": "add_stream", "stream": scfg})
         if not reply["ok"]:
             return reply
         if relocated:  # right after the start: the stream's first frame is still being decoded
             eng.publisher.submit_event(scfg["id"], "relocated", relocated)
+        elif placed:
+            eng.publisher.submit_event(scfg["id"], "started", f"placed on engine {self.name} {placed}")
         failed = []
         for o in objects:
             r = eng.control({"op": "add_object", "stream": scfg["id"], **o}, timeout=OBJECT_S)
@@ -130,6 +135,16 @@ class EngineActor:
 
     def control(self, req: dict) -> dict:
         return self.engine.control(req)
+
+    def event(self, stream: str, kind: str, reason: str) -> None:
+        """Publish an event for a stream that runs nowhere (one the controller keeps pending): any engine's
+        publisher reaches the head's results proxy."""
+        eng = self.engine
+
+        def sent() -> None:  # the outbox the event opened goes with it, unless the stream came here meanwhile
+            if stream not in eng.live_streams():
+                eng.publisher.forget(stream)
+        eng.publisher.submit_event(stream, kind, reason, on_sent=sent)
 
     def stop(self) -> None:
         self.engine.stop(drain=False)

@@ -6,12 +6,12 @@ workers, raised by the share of frames it dropped for load (a pool that drops is
 what busy time shows), plus the estimated cost of the streams placed on it that no report has
 measured yet (see `settle`). A stream costs, in each pool it feeds, its frame rate x the pool's cost
 per frame as the engine measures it (`EngineActor._frame_s`: its busier stage's seconds per frame /
-worker instances). The engine must stay under `max_load` in every pool after the addition.
+worker instances); the rate is the one `rates.py` gives (URL, container, measured, else the estimate).
+The engine must stay under `max_load` in every pool after the addition.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -47,18 +47,12 @@ class EngineLoad:
         return self.busy.get(pool, 0.0) + self.drop_share.get(pool, 0.0) + self.pending.get(pool, 0.0)
 
 
-def stream_fps(url: str, default: float) -> float:
-    """The rate a stream's URL declares (synthetic://...&fps=N), else the configured estimate."""
-    m = re.search(r"[?&]fps=([0-9.]+)", url) if url.startswith("synthetic://") else None
-    return float(m.group(1)) if m else default
-
-
 def cost(engine: EngineLoad, pools: list[str], fps: float) -> dict[str, float]:
     return {p: fps * engine.frame_s.get(p, 0.0) for p in pools}
 
 
 def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: float, max_load: float,
-           pin: Optional[str] = None, offline: bool = False) -> tuple[Optional[EngineLoad], str]:
+           pin: Optional[str] = None, offline: bool = False, fps_from: str = "") -> tuple[Optional[EngineLoad], str]:
     """(the engine, "") or (None, why none can take it). An offline stream (a file processed as fast as
     the engine goes, no deadlines) is never refused for load: it takes what is free, so it goes to the
     engine with the most slack whatever its rate would cost (refusing it measured a file's nominal
@@ -66,14 +60,10 @@ def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: flo
     why = []
     best, best_load = None, None
     for e in engines:
-        if e.draining:
-            why.append(f"{e.name} draining")
+        excluded = _excluded(e, pin)
+        if excluded:
+            why.append(excluded)
             continue
-        if pin is not None:
-            key, _, value = pin.partition("=")
-            if e.labels.get(key) != value:
-                why.append(f"{e.name} lacks label {pin}")
-                continue
         c = cost(e, pools, fps)
         after = {p: e.load(p) + c[p] for p in pools}
         worst = max(after.values(), default=0.0)
@@ -87,8 +77,30 @@ def choose(engines: list[EngineLoad], *, stream: str, pools: list[str], fps: flo
         return best, ""
     if not engines:
         return None, f"no engine can take stream {stream!r}: no engine is running (no node with a free GPU?)"
-    return None, (f"no engine can take stream {stream!r} ({fps:g} fps into {pools}): " + "; ".join(why)
+    rate = f"{fps:g} fps" + (f" ({fps_from})" if fps_from else "")
+    return None, (f"no engine can take stream {stream!r} ({rate} into {pools}): " + "; ".join(why)
                   + ". Add a node, remove a stream, or raise cluster.max_load")
+
+
+def _excluded(e: EngineLoad, pin: Optional[str]) -> str:
+    """Why `e` may not take the stream whatever its load ("" when it may)."""
+    if e.draining:
+        return f"{e.name} draining"
+    if pin is not None:
+        key, _, value = pin.partition("=")
+        if e.labels.get(key) != value:
+            return f"{e.name} lacks label {pin}"
+    return ""
+
+
+def fits_idle(engines: list[EngineLoad], *, pools: list[str], fps: float, max_load: float,
+              pin: Optional[str] = None) -> bool:
+    """Whether the stream would fit one of the engines that may take it were that engine idle: a stream
+    refused only for the load of others waits (pending) for room; one that costs more than a whole
+    engine is refused outright (it would wait for ever). With no engine that may take it (none runs yet,
+    all draining, none with its label) it waits too: one may come."""
+    eligible = [e for e in engines if not _excluded(e, pin)]
+    return not eligible or any(max(cost(e, pools, fps).values(), default=0.0) <= max_load for e in eligible)
 
 
 def place(e: EngineLoad, pools: list[str], fps: float, now: float = 0.0, stream: str = "") -> None:

@@ -19,6 +19,7 @@ from typing import Optional
 
 import zmq
 
+from ..binds import ZMQ_HANDSHAKE_MS
 from ..errors import ConfigError
 
 log = logging.getLogger("vidar.cluster")
@@ -31,6 +32,7 @@ class ResultsProxy:
         self._xpub.setsockopt(zmq.SNDHWM, hwm)
         self._xpub.setsockopt(zmq.XPUB_NODROP, 1)
         self._xpub.setsockopt(zmq.LINGER, 0)
+        self._xpub.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # a peer that never handshakes: closed
         try:
             self._xpub.bind(endpoint)
         except zmq.ZMQError as err:

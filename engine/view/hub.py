@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config import ViewConfig
+from ..faults import FaultPolicy
 from ..frame import FrameMeta
 
 log = logging.getLogger("vidar.view")
@@ -83,6 +84,9 @@ class _Stream:
     counts: Counter = field(default_factory=Counter)
 
 
+RESTARTS, RESTART_WINDOW_S = 3, 60.0  # encoder crashes tolerated (restarted) within the window
+
+
 class ViewHub:
     """Owned by the engine; the web server reads it. Thread-safe: one lock guards the per-stream state,
     held for bookkeeping only (never while copying, resizing or encoding)."""
@@ -93,8 +97,35 @@ class ViewHub:
         self._lock = threading.Condition()
         self._streams: dict[str, _Stream] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="view-encoder", daemon=True)
+        # the encoder thread is supervised (health(), every step of the engine core): restarted after a
+        # crash, and after RESTARTS crashes within RESTART_WINDOW_S the engine dies rather than serve a
+        # view that silently shows nothing
+        self._restarts = FaultPolicy("view", max_failures=RESTARTS, window_s=RESTART_WINDOW_S, what="crashes",
+                                     label="live view encoder")
+        self._crash = ""
+        self._start_encoder()
+
+    def _start_encoder(self) -> None:
+        self._thread = threading.Thread(target=self._guarded_run, name="view-encoder", daemon=True)
         self._thread.start()
+
+    def health(self) -> Optional[str]:
+        """None while the encoder runs (or after it was restarted); why not, when it keeps crashing."""
+        if self._closed or self._thread.is_alive():
+            return None
+        self._restarts.record(self._crash or "ended")
+        if self._restarts.dead:
+            return f"the live view's encoder thread keeps crashing: {self._restarts.dead}"
+        log.error("view: encoder thread died (%s): restarting it", self._crash or "ended")
+        self._start_encoder()
+        return None
+
+    def _guarded_run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # outside the per-frame guard: health() restarts the thread
+            self._crash = f"{type(err).__name__}: {err}"
+            log.exception("view: encoder thread crashed")
 
     # -- watchers (the web server) -------------------------------------------------------------
     def known(self, stream: str) -> bool:

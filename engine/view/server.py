@@ -37,6 +37,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import struct
 import time
 from collections import deque
@@ -51,6 +52,7 @@ from streams import redact_url
 
 from ..config import ViewConfig, _is_loopback
 from ..errors import ConfigError
+from ..supervise import SupervisedTask
 
 log = logging.getLogger("vidar.view")
 
@@ -58,6 +60,8 @@ STATIC = Path(__file__).parent / "static"
 COOKIE = "vidar_token"
 HISTORY_S = 60          # latency chart: one point a second for the last minute
 STATE_EVERY_S = 1.0
+REPORT_EVERY_S = 10.0   # connections refused or timed out, internal errors: one log line at most this often
+LINGER_S = 2.0          # after a reply, an unread request body is read and dropped this long at most
 
 
 class ViewServer:
@@ -69,9 +73,14 @@ class ViewServer:
         self._history: dict[tuple[str, str], deque] = {}
         self._last: dict[tuple[str, str], tuple[float, int, int]] = {}
         self._state: dict = {"type": "state", "streams": {}}
-        self._task: Optional[asyncio.Task] = None
+        self._task: Optional[SupervisedTask] = None
         self.port: Optional[int] = None
         self.skipped = 0  # frames a slow page did not get (it got a newer one instead)
+        self._gate: Optional[_Gate] = None
+        self._internal_errors = 0
+        self._internal_seen: set[str] = set()  # (error type, route) logged with its traceback once
+        self._reported = (0.0, (0, 0, 0, 0))  # (when, counts) of the last aggregate log line
+        self._http_log = _HttpLog()
 
     @property
     def url(self) -> str:
@@ -87,13 +96,28 @@ class ViewServer:
         """Bind now (a busy port is a configuration error: exit 2)."""
         loop = asyncio.get_running_loop()
         self.hub.on_update = lambda stream: loop.call_soon_threadsafe(self._frame_ready, stream)
-        from .api import routes
-        app = web.Application(middlewares=[self._guard], client_max_size=64 * 1024)
+        from .api import MAX_BODY_BYTES, routes
+        timeout_s = self.cfg.request_timeout_s
+        app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         app.add_routes([web.get("/", self._page("index.html")), web.get("/stream/{id}", self._page("stream.html")),
                         web.get("/login", self._login), web.get("/ws", self._ws),
-                        web.static("/static", STATIC)] + routes(self.engine))
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+                        web.static("/static", STATIC)] + routes(self.engine, timeout_s))
+        # aiohttp's own bounds: keepalive_timeout closes a connection that sends no next request within
+        # timeout_s of its last reply (of its opening too, from aiohttp 3.14: see _Gate); at most 64
+        # header lines of 8 KB each buffered per connection; an unread body is drained LINGER_S at most.
+        # Request bodies are never decompressed (the API refuses a Content-Encoding): a compressed body
+        # that is not what it says would otherwise fail again while aiohttp drains it after the reply.
+        # aiohttp's log of requests it could not parse or finish goes to _HttpLog: counted, not a
+        # traceback per malformed request.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=timeout_s,
+                                     lingering_time=LINGER_S, max_line_size=8190, max_field_size=8190,
+                                     max_headers=64, auto_decompress=False, logger=self._http_log)
         await self._runner.setup()
+        cap = _connection_cap(self.cfg.max_connections)
+        self._gate = _Gate(self._runner.server, cap, timeout_s)
+        # The listen backlog stays aiohttp's 128: it bounds the connections one turn of the loop accepts
+        # before the ones over the cap are closed (a brief burst of descriptors), and a smaller one made
+        # the kernel drop SYNs in a burst of clients (a 1 s retransmit for each, well-behaved ones too)
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, shutdown_timeout=1.0)
         try:
             await site.start()
@@ -102,7 +126,11 @@ class ViewServer:
             raise ConfigError(f"view.port: cannot serve on {self.cfg.host}:{self.cfg.port}: {err} "
                               "(set view.port to a free port, or view.enabled: false)") from None
         self.port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public accessor for port 0
-        self._task = asyncio.create_task(self._tick())
+        self._task = SupervisedTask("live view state", self._tick)
+
+    def health(self) -> Optional[str]:
+        """The state ticker, restarted if it ended (see engine/supervise.py); the runtime calls this."""
+        return self._task.health() if self._task is not None else None
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -115,24 +143,61 @@ class ViewServer:
     # -- auth ------------------------------------------------------------------------------------------
     @web.middleware
     async def _guard(self, request: web.Request, handler):
-        if not self.cfg.token and not _is_loopback(request.url.host or ""):
-            return _deny(request, 403, f"host {request.host!r} is not a loopback name (DNS rebinding?)")
+        """Every request: the checks, then its handler. Whatever goes wrong becomes a reply (in the API's
+        JSON on /api/ and /ws, aiohttp's own refusals included), never a traceback."""
+        if self._gate is not None:
+            self._gate.requested(request.protocol)  # its headers are in: the connection's deadline is met
+        try:
+            denied = self._check(request)
+            return denied if denied is not None else await handler(request)
+        except web.HTTPException as exc:  # a 404, a 405, aiohttp's 413, a websocket handshake's 400 ...
+            if exc.status < 400 or not _is_api(request) or exc.content_type == "application/json":
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            return _deny(request, exc.status, exc.text or exc.reason, headers=allow)
+        except ConnectionError:  # the client went away: aiohttp ends the connection
+            raise
+        except Exception as err:
+            return self._internal_error(request, err)
+
+    def _check(self, request: web.Request) -> Optional[web.Response]:
+        """The refusal for a request that may not go on; None if it may."""
+        if not self.cfg.token:
+            try:
+                host = request.url.host or ""
+            except ValueError:  # UnicodeError too: bytes no host name has (yarl IDNA-encodes it)
+                return _deny(request, 400, f"the Host header {request.host[:80]!r} is not a host name")
+            if not _is_loopback(host):
+                return _deny(request, 403, f"host {request.host[:80]!r} is not a loopback name (DNS rebinding?)")
         if request.path != "/login" and self.cfg.token and not self._authorized(request):
             return _deny(request, 401, "this view needs its token: open the login URL printed at start, "
                                        "or send Authorization: Bearer <view.token>")
         # Browsers send Origin on every cross-site request that matters here, the websocket upgrade (a GET)
         # included: another site open in the same browser can neither drive the engine nor watch it.
         origin = request.headers.get("Origin")
-        if origin is not None and urlsplit(origin).netloc != request.host:
-            return _deny(request, 403, f"cross-origin request from {origin!r} refused")
-        return await handler(request)
+        if origin is not None and _netloc(origin) != request.host:
+            return _deny(request, 403, f"cross-origin request from {origin[:80]!r} refused")
+        return None
 
     def _authorized(self, request: web.Request) -> bool:
         sent = request.cookies.get(COOKIE, "")
         auth = request.headers.get("Authorization", "")
         if auth.startswith("Bearer "):
             sent = auth[7:]
-        return hmac.compare_digest(sent.encode(), self.cfg.token.encode())
+        # header bytes that are not UTF-8 reach us as lone surrogates (surrogateescape): compared as the
+        # bytes they came as, never an encoding error
+        return hmac.compare_digest(sent.encode("utf-8", "surrogateescape"), self.cfg.token.encode())
+
+    def _internal_error(self, request: web.Request, err: Exception) -> web.Response:
+        """A bug met by a request: a 500 that names nothing of the engine's insides; logged with its
+        traceback the first time per (error type, route), counted in the aggregate line after that."""
+        self._internal_errors += 1
+        resource = request.match_info.route.resource
+        key = f"{type(err).__name__} in {request.method} {resource.canonical if resource else '?'}"
+        if key not in self._internal_seen and len(self._internal_seen) < 100:
+            self._internal_seen.add(key)
+            log.error("view: internal error: %s (logged once; later ones are counted)", key, exc_info=err)
+        return _deny(request, 500, "internal error (the engine's log has the details)")
 
     async def _login(self, request: web.Request) -> web.Response:
         if not self.cfg.token:
@@ -230,7 +295,32 @@ class ViewServer:
                     c.wake.set()
             except Exception:  # a sampling bug must not end the view
                 log.exception("view: state sampling failed")
+            self._report()
             await asyncio.sleep(STATE_EVERY_S)
+
+    def connection_counts(self) -> dict[str, int]:
+        """Connections: open now, the cap, and since start refused at the cap or closed for want of a
+        request within view.request_timeout_s; since start, internal errors (500s) and requests aiohttp
+        could not parse or finish (its 400s for bad framing, clients gone mid-request)."""
+        g = self._gate
+        return {"open": g.open if g else 0, "cap": g.max_connections if g else 0, "refused": g.refused if g else 0,
+                "timed_out": g.timed_out if g else 0, "internal_errors": self._internal_errors,
+                "http_errors": self._http_log.count}
+
+    def _report(self) -> None:
+        """Closed connections and internal errors in aggregate: a line at most every REPORT_EVERY_S."""
+        c = self.connection_counts()
+        counts, now = (c["refused"], c["timed_out"], c["internal_errors"], c["http_errors"]), time.monotonic()
+        (then, before) = self._reported
+        if counts == before or now - then < REPORT_EVERY_S:
+            return
+        refused, timed_out, errors, http_errors = (a - b for a, b in zip(counts, before))
+        self._reported = (now, counts)
+        (log.warning if refused or errors else log.info)(
+            "view: since the last report: %d connections refused at the cap of %d (view.max_connections), "
+            "%d closed without a request within %g s (view.request_timeout_s), %d internal errors, "
+            "%d requests aiohttp could not parse or finish (last: %s)", refused, c["cap"], timed_out,
+            self.cfg.request_timeout_s, errors, http_errors, self._http_log.last or "none")
 
     def _sample(self) -> dict:
         eng, now, wall = self.engine, time.monotonic(), time.time()
@@ -251,7 +341,7 @@ class ViewServer:
             if event is not None:
                 d["event"] = {"kind": event["kind"], "reason": redact_url(str(event["reason"]))}
             runner = entry.runner
-            d["reason"] = entry.reason or (runner.end_reason if runner else "")
+            d["reason"] = redact_url(entry.reason or (runner.end_reason if runner else ""))
             d["view"] = view
             streams[sid] = d
         for key in [k for k in self._history if k[1] not in streams]:
@@ -311,10 +401,112 @@ class _Client:
         return replaced
 
 
-def _deny(request: web.Request, status: int, why: str) -> web.Response:
-    if request.path.startswith("/api/") or request.path == "/ws":
-        return web.json_response({"ok": False, "error": why}, status=status)
-    return web.Response(status=status, text=f"vidar live view: {why}\n", content_type="text/plain")
+def _is_api(request: web.Request) -> bool:
+    return request.path.startswith("/api/") or request.path == "/ws"
+
+
+def _deny(request: web.Request, status: int, why: str, headers: Optional[dict] = None) -> web.Response:
+    if _is_api(request):
+        return web.json_response({"ok": False, "error": why}, status=status, headers=headers)
+    return web.Response(status=status, text=f"vidar live view: {why}\n", content_type="text/plain", headers=headers)
+
+
+def _netloc(url: str) -> Optional[str]:
+    try:
+        return urlsplit(url).netloc
+    except ValueError:  # "http://[": not a URL, so no origin this view has
+        return None
+
+
+def _connection_cap(configured: int) -> int:
+    """view.max_connections, lowered to half the file descriptors the process has free now (its soft
+    RLIMIT_NOFILE less those open): slow clients can never take the descriptors the control socket, the
+    publisher and the streams need. Where open descriptors cannot be counted: as configured."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = len(os.listdir("/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"))
+    except (ImportError, OSError):
+        return configured
+    if soft == resource.RLIM_INFINITY or (soft - used) // 2 >= configured:
+        return configured
+    cap = max(1, (soft - used) // 2)
+    log.warning("view: at most %d connections, not view.max_connections=%d: the file descriptor limit "
+                "(RLIMIT_NOFILE) is %d and %d are open", cap, configured, soft, used)
+    return cap
+
+
+class _HttpLog(logging.LoggerAdapter):
+    """The logger aiohttp's connection handlers write to: a line with a traceback for each request it
+    could not parse ("Error handling request") or finish (a broken body found while draining it). Those
+    are counted here, the last one named, and reported in the view's aggregate line: a client sending
+    garbage cannot flood the log. Debug lines pass through to vidar.view.http."""
+
+    def __init__(self):
+        super().__init__(logging.getLogger("vidar.view.http"), {})
+        self.count = 0
+        self.last = ""
+
+    def log(self, level, msg, *args, exc_info=None, **kwargs) -> None:
+        if level < logging.WARNING:
+            super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+            return
+        self.count += 1
+        err = exc_info if isinstance(exc_info, BaseException) else None
+        self.last = f"{type(err).__name__}: {' '.join(str(err).split())[:80]}" if err else str(msg)[:80]
+
+
+class _Gate:
+    """How many connections the view holds, and how long one may hold its slot without a request.
+
+    Hand-written: aiohttp has no connection cap, and no request-header timeout as such. Its
+    keepalive_timeout (view.request_timeout_s) closes a connection that has not sent a complete next
+    request within that time of its last reply, and, from aiohttp 3.14 on, of its opening; the project
+    allows older aiohttp, so the deadline for a first request is kept here too. Both sit on the
+    low-level web.Server's connection_made / connection_lost, which every connection's RequestHandler
+    calls as it opens and closes. A connection over the cap is closed at once (a browser retries), and
+    counted: slow or half-open clients could otherwise hold every file descriptor of the process."""
+
+    def __init__(self, server: web.Server, max_connections: int, timeout_s: float):
+        self.max_connections, self.timeout_s = max_connections, timeout_s
+        self._open: dict = {}  # RequestHandler -> its first-request deadline (None once a request came)
+        self.refused = 0       # connections closed at once: the cap was reached
+        self.timed_out = 0     # connections closed: no complete request header within timeout_s of opening
+        self._made, self._lost = server.connection_made, server.connection_lost
+        server.connection_made, server.connection_lost = self._connection_made, self._connection_lost
+
+    @property
+    def open(self) -> int:
+        return len(self._open)
+
+    def requested(self, handler) -> None:
+        """A request's headers arrived on this connection (the middleware says so)."""
+        deadline = self._open.get(handler)
+        if deadline is not None:
+            deadline.cancel()
+            self._open[handler] = None
+
+    def _connection_made(self, handler, transport) -> None:
+        if len(self._open) >= self.max_connections:
+            self.refused += 1
+            # closed on the next turn of the loop: closed now, connection_lost would run before the
+            # handler's start() task on Python 3.11 (tasks not started eagerly) and fail its assertion
+            asyncio.get_running_loop().call_soon(handler.force_close)
+            return
+        self._open[handler] = asyncio.get_running_loop().call_later(self.timeout_s, self._expire, handler)
+        self._made(handler, transport)
+
+    def _expire(self, handler) -> None:
+        if self._open.get(handler) is not None:
+            self._open[handler] = None
+            self.timed_out += 1
+            handler.force_close()
+
+    def _connection_lost(self, handler, exc: Optional[BaseException] = None) -> None:
+        deadline = self._open.pop(handler, None)
+        if deadline is not None:
+            deadline.cancel()
+        self._lost(handler, exc)
 
 
 class ViewThread:
@@ -327,6 +519,7 @@ class ViewThread:
         self.loop = asyncio.new_event_loop()
         self.server = ViewServer(engine, engine.cfg.view)
         self._error: Optional[BaseException] = None
+        self.dead: Optional[str] = None  # why the view's state task could not be kept running
         ready = threading.Event()
 
         def run() -> None:
@@ -337,6 +530,7 @@ class ViewThread:
                 self._error = err
             ready.set()
             if self._error is None:
+                self.loop.call_soon(self._supervise)
                 self.loop.run_forever()
 
         self._thread = threading.Thread(target=run, name="view-server", daemon=True)
@@ -345,6 +539,16 @@ class ViewThread:
         if self._error is not None:
             raise self._error
         self.url = self.server.url
+
+    def _supervise(self) -> None:
+        """As `vidar run`'s loop does: the state task restarted when it ends; when it keeps crashing, said
+        loudly (the program that drives the engine decides what follows: `dead` tells it)."""
+        why = self.server.health()
+        if why and self.dead is None:
+            self.dead = why
+            log.error("live view: %s", why)
+        if self.dead is None:
+            self.loop.call_later(0.5, self._supervise)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.server.stop(), self.loop).result(10)

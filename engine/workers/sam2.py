@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from pydantic import ValidationError
 
-from ..config import ObjectConfig, Sam2Config
+from ..config import MAX_OBJECT_ID, ObjectConfig, Sam2Config
 from ..control import need
 from ..errors import ControlError
 from ..tuning import ThreadPlan, usable_cores
@@ -129,7 +129,10 @@ class Sam2Processor(OutputProcessor):
                 raise ControlError(f"add_object: {'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}") from None
             self.stage.add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
         elif op == "remove_object":
-            self.stage.remove_object(need(request, "stream", str), need(request, "id", int))
+            oid = need(request, "id", int)
+            if not 0 <= oid <= MAX_OBJECT_ID:  # no such object can exist: say so, as add_object does
+                raise ControlError(f"remove_object: 'id' must be 0 <= id <= {MAX_OBJECT_ID}, got {oid}")
+            self.stage.remove_object(need(request, "stream", str), oid)
         elif op == "reset_stream":
             self.stage.reset_stream(need(request, "stream", str))
         else:
