@@ -113,6 +113,7 @@ def test_a_result_that_cannot_be_encoded_fails_that_frame_only(endpoint, caplog)
                           "mode": "offline"} for i in range(2)], endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s0", "s1"])
     eng = Engine(cfg, workers={"classify": [_Unencodable()]})
+    t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="vidar.publish"):
         eng.start()
         assert wait_for(eng.finished, 60)
@@ -126,9 +127,15 @@ def test_a_result_that_cannot_be_encoded_fails_that_frame_only(endpoint, caplog)
         assert seqs == [k for k in range(n) if k % 4 != 1]
         assert [m["kind"] for m in msgs if m["type"] == "event" and m["stream"] == s][-1] == "eos"
     assert eng.check_dead() is None
-    # logged in aggregate (at most once per stream every 5 s), naming the stream and the error
+    # logged in aggregate (at most once per stream every LOG_EVERY_S), naming the stream and the error: fewer
+    # lines than failed frames (one per frame would be `bad` lines a stream)
+    from engine.publisher import LOG_EVERY_S
+    elapsed = time.monotonic() - t0
     lines = [r.getMessage() for r in caplog.records if "cannot be encoded" in r.getMessage()]
-    assert 1 <= len(lines) <= 2 and "OverflowError" in lines[0]
+    for s in ("s0", "s1"):
+        mine = [line for line in lines if line.startswith(f"stream {s}: ")]
+        assert 1 <= len(mine) <= min(bad - 1, 1 + elapsed / LOG_EVERY_S), lines
+        assert "OverflowError" in mine[0] and "(1 so far)" in mine[0], mine
 
 
 def test_a_publisher_that_dies_is_engine_death_with_exit_3(endpoint, monkeypatch, caplog):

@@ -370,7 +370,8 @@ def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
     assert "Traceback" not in err and "Too many open files" not in err, err[-3000:]
     assert "view: at most" in err and f"the file descriptor limit (RLIMIT_NOFILE) is {FD_LIMIT}" in err, err[-3000:]
     lines = err.count("connections refused at the cap of")  # in aggregate: REPORT_EVERY_S apart at least
-    assert 1 <= lines <= 1 + (time.monotonic() - t_start) / REPORT_EVERY_S, err[-3000:]
+    # one line per refused connection would be well over a hundred here
+    assert 1 <= lines <= min(10, 1 + (time.monotonic() - t_start) / REPORT_EVERY_S), err[-3000:]
 
 
 def _timed(fn) -> float:
