@@ -127,7 +127,6 @@ class Publisher:
         self._evict_logged: dict[str, float] = {}
         self._encode_logged: dict[str, float] = {}
         self.dead: Optional[str] = None  # why the thread died (a bug); None while it serves
-        self._close_called = False
         self._on_publish_latency = on_publish_latency
         self.listener: Optional[Callable[[dict], None]] = None  # the live view: each message sent, as a dict
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
@@ -410,9 +409,7 @@ class Publisher:
     def health(self) -> Optional[str]:
         """None while the thread serves (or was closed); why it died otherwise. The engine core checks it
         every step: a publisher that died is engine death, never a silent engine that publishes nothing."""
-        if self.dead is None and not self._thread.is_alive() and not self._close_called:
-            self.dead = "publisher thread ended"  # cannot happen without `dead` set; never let it pass
-        return self.dead
+        return self.dead  # set by the thread for anything that ends it but close() (BaseException caught)
 
     def _discard_all(self) -> None:
         """Close or abort: what is still queued is counted (results as dropped(shutdown); after a crash as
@@ -439,7 +436,6 @@ class Publisher:
 
     def close(self, timeout: float = 5.0) -> None:
         """Publish what is queued (up to `timeout`), then close. Whatever is left is counted as shutdown."""
-        self._close_called = True
         with self._cond:
             self._closing = True
             self._cond.notify_all()

@@ -131,7 +131,7 @@ class StreamTable:
             return fut
         try:
             self._start(scfg, pools, source)
-        except SourceError as err:  # its frames would not fit the engine's frame memory
+        except SourceError as err:  # its frames would not fit the frame memory, or its start failed (undone)
             settle(fut, exc=ControlError(f"add_stream: {err.reason}"))
             return fut
         settle(fut, scfg.id)

@@ -222,12 +222,12 @@ def test_the_view_encoder_is_restarted_then_fatal(monkeypatch):
     hub = hub_module.ViewHub(ViewConfig())
     try:
         for k in range(1, hub_module.RESTARTS):
-            assert wait_for(lambda: not hub._thread.is_alive(), 5)
+            assert wait_for(lambda: not hub._encoder.thread.is_alive(), 5)
             assert hub.health() is None  # restarted
             assert wait_for(lambda: len(crashes) == k + 1, 5)
-        assert wait_for(lambda: not hub._thread.is_alive(), 5)
+        assert wait_for(lambda: not hub._encoder.thread.is_alive(), 5)
         why = hub.health()
-        assert why and "encoder thread keeps crashing" in why and "injected encoder bug" in why
+        assert why and "live view encoder keeps crashing" in why and "injected encoder bug" in why
     finally:
         hub.close()
 

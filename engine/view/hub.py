@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from ..config import ViewConfig
-from ..faults import FaultPolicy
+from ..supervise import SupervisedThread
 from ..frame import FrameMeta
 
 log = logging.getLogger("vidar.view")
@@ -100,32 +100,12 @@ class ViewHub:
         # the encoder thread is supervised (health(), every step of the engine core): restarted after a
         # crash, and after RESTARTS crashes within RESTART_WINDOW_S the engine dies rather than serve a
         # view that silently shows nothing
-        self._restarts = FaultPolicy("view", max_failures=RESTARTS, window_s=RESTART_WINDOW_S, what="crashes",
-                                     label="live view encoder")
-        self._crash = ""
-        self._start_encoder()
-
-    def _start_encoder(self) -> None:
-        self._thread = threading.Thread(target=self._guarded_run, name="view-encoder", daemon=True)
-        self._thread.start()
+        self._encoder = SupervisedThread("live view encoder", self._run, max_failures=RESTARTS,
+                                         window_s=RESTART_WINDOW_S)
 
     def health(self) -> Optional[str]:
         """None while the encoder runs (or after it was restarted); why not, when it keeps crashing."""
-        if self._closed or self._thread.is_alive():
-            return None
-        self._restarts.record(self._crash or "ended")
-        if self._restarts.dead:
-            return f"the live view's encoder thread keeps crashing: {self._restarts.dead}"
-        log.error("view: encoder thread died (%s): restarting it", self._crash or "ended")
-        self._start_encoder()
-        return None
-
-    def _guarded_run(self) -> None:
-        try:
-            self._run()
-        except BaseException as err:  # outside the per-frame guard: health() restarts the thread
-            self._crash = f"{type(err).__name__}: {err}"
-            log.exception("view: encoder thread crashed")
+        return None if self._closed else self._encoder.health()
 
     # -- watchers (the web server) -------------------------------------------------------------
     def known(self, stream: str) -> bool:
@@ -384,7 +364,7 @@ class ViewHub:
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        self._thread.join(2.0)
+        self._encoder.thread.join(2.0)
 
 
 def _slim(msg: dict) -> dict:
