@@ -1,6 +1,7 @@
 """The one script to run on a GPU machine: checks the CUDA paths, then times them.
 
     python3 benchmarks/gpu_check.py            # writes $OUT/gpu_check.json (or benchmarks/results/)
+    python3 benchmarks/gpu_check.py --dry-run  # on the CPU: what can be checked without a GPU (below)
 
 1. the GPU tests (tests/test_gpu.py) with VIDAR_REQUIRE_GPU=1, so nothing passes by skipping;
 2. ViT-L/16 (random weights) bf16 on the GPU: model-only latency per batch size, and the
@@ -85,7 +86,28 @@ def engine_goodput(results, streams: int, seconds: float = 10.0):
         "p50_ms": max(s.p50_ms for s in snaps), "p99_ms": max(s.p99_ms for s in snaps)}
 
 
+def dry_run() -> None:
+    """Before a device session: the parts of this script that need no GPU. The live runs' configs build
+    (and pass the engine's start-up checks: binds, frame memory for 8 streams of 720p), the modules
+    the GPU steps import load, and the GPU test files exist. It proves nothing about the GPU paths."""
+    from engine.binds import exposure_error
+    from engine.frame_budget import total_memory_bytes
+    from engine.ring import FrameView, slots_for  # noqa: F401  (model_latency's imports)
+    from engine.workers.classify import ClassifierWorker  # noqa: F401
+    for n in (1, 4, 8):
+        cfg = goodput_config(n)
+        assert exposure_error(cfg) is None, exposure_error(cfg)
+        r = cfg.ring
+        need = n * slots_for(1280 * 720 * 3, r.memory_mb * 2**20, r.min_slots, r.max_slots) * 1280 * 720 * 3
+        assert need <= total_memory_bytes(r.total_memory_mb), (n, need)
+    for test in ("tests/test_gpu.py", "tests/test_classify.py"):
+        assert (ROOT / test).is_file(), test
+    print("gpu_check --dry-run: configs, imports and test files ok (no GPU path has run)")
+
+
 def main():
+    if "--dry-run" in sys.argv[1:]:
+        return dry_run()
     out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
