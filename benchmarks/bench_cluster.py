@@ -92,7 +92,7 @@ class Bench:
         return self.d.control({"op": "list"})["streams"]
 
     def subscriber(self, events: bool = False):
-        from engine.client import Subscriber
+        from engine.publish.client import Subscriber
         return Subscriber(self.d.proxy.endpoint, topics=["noop."] + (["event."] if events else []))
 
     def add_stream(self, i: int) -> dict:

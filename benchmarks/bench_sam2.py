@@ -44,8 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.workers.sam2_model import build_sam2_model, preprocess  # noqa: E402
-from engine.workers.sam2_tracker import DecoderStage, Prompt, encode  # noqa: E402
+from engine.models.sam2_model import build_sam2_model, preprocess  # noqa: E402
+from engine.models.sam2_tracker import TrackingStage, Prompt, encode  # noqa: E402
 from tests.conftest import decode_all, write_clip  # noqa: E402
 from tests.sam2_ref import CONFIG, iou, make_checkpoint, reference_masks  # noqa: E402
 
@@ -76,8 +76,8 @@ def step(stage, frames):
 def run_streams(model, size, frames_by_stream, objects, warm=8):
     """Lockstep streaming; returns (per-frame encoder seconds list, stage, masks by stream)."""
     from pycocotools import mask as mask_utils
-    from engine.workers.sam2_tracker import render
-    stage = DecoderStage(model)
+    from engine.models.sam2_tracker import render
+    stage = TrackingStage(model)
     stage.timed = True
     for s in frames_by_stream:
         stage.add_stream(s)
@@ -188,9 +188,9 @@ def engine_run(ckpt, clips: dict, n: int, *, objects_on: tuple = None, **sam2) -
     Returns (seconds per step: elapsed / n frames per stream, masks {stream: {seq: {id: bool mask}}})."""
     import threading
     from pycocotools import mask as mask_utils
-    from engine.client import Subscriber
+    from engine.publish.client import Subscriber
     from engine.config import build_config
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     ep = free_endpoint()
     objects = [{"stream": s, "id": o, **p} for s in (objects_on or clips) for o, p in PROMPTS.items()]
     cfg, _ = build_config({"streams": [{"id": s, "url": str(c), "mode": "offline"} for s, c in clips.items()],
@@ -299,7 +299,7 @@ def ab(run_off, run_on, reps: int, loads: list) -> dict:
 
 def levers(ckpt, clips: dict, n: int, reps: int) -> dict:
     """Each lever alone, on vs off, side by side in this run."""
-    from engine.workers import sam2 as sam2_pool
+    from engine.models import sam2 as sam2_pool
     out, loads = {}, []
     # 1. decoder stage on its own thread count: (encoder 2, decoder 1) vs today's (2, 2) threads
     out["threads_decoder_1_vs_2"] = ab(lambda: engine_run(ckpt, {"a": clips["a"]}, n, threads=2, decoder_threads=2)[0],
@@ -310,11 +310,11 @@ def levers(ckpt, clips: dict, n: int, reps: int) -> dict:
     # 2. idle streams not encoded: 2 streams, objects on "a" only
     def idle(skip):
         def run():
-            sam2_pool.Sam2EncoderWorker.skip_idle = skip
+            sam2_pool.Sam2EncoderRunner.skip_idle = skip
             try:
                 return engine_run(ckpt, clips, n, objects_on=("a",))[0]
             finally:
-                sam2_pool.Sam2EncoderWorker.skip_idle = True
+                sam2_pool.Sam2EncoderRunner.skip_idle = True
         return run
     out["skip_idle_2_streams_1_with_objects"] = ab(idle(False), idle(True), reps, loads)
     print("  skip idle:", out["skip_idle_2_streams_1_with_objects"], flush=True)
@@ -331,8 +331,8 @@ def levers(ckpt, clips: dict, n: int, reps: int) -> dict:
 
 def render_lever(reps: int = 30) -> dict:
     """render() per object vs render_frame() for a frame's 2 objects, on 1 thread (the decoder stage's)."""
-    from engine.threads import set_intra_op_threads
-    from engine.workers.sam2_tracker import render, render_frame
+    from engine.util.threads import set_intra_op_threads
+    from engine.models.sam2_tracker import render, render_frame
     before = torch.get_num_threads()
     set_intra_op_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -359,7 +359,7 @@ def render_lever(reps: int = 30) -> dict:
 def compile_lever(ckpt, steps: int = 6) -> dict:
     """torch.compile (inductor) of the memory attention, the decoder stage's largest part: compile time
     against the time it saves per call, 2 objects at steady state, 1 thread (the decoder stage's)."""
-    from engine.threads import set_intra_op_threads
+    from engine.util.threads import set_intra_op_threads
     model = build_sam2_model(CONFIG, str(ckpt), 256, DEVICE)[0]
     before = torch.get_num_threads()
     set_intra_op_threads(1)
@@ -401,7 +401,7 @@ def compile_lever(ckpt, steps: int = 6) -> dict:
 def memory(model, n):
     from streams.synthetic import SyntheticSource
     src = SyntheticSource("m", "synthetic://shapes?size=320x240&fps=30")
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     stage.add_stream("m")
     stage.add_object("m", prompt(1, PROMPTS[1]))
     proc = psutil.Process()

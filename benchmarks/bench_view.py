@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.config import build_config  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.core.engine import Engine  # noqa: E402
 from engine.view.server import ViewThread  # noqa: E402
 
 VTEST = Path("/usr/share/doc/opencv-doc/examples/data/vtest.avi")

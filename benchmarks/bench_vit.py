@@ -36,12 +36,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.client import Subscriber  # noqa: E402
+from engine.publish.client import Subscriber  # noqa: E402
 from engine.config import ClassifyConfig, build_config  # noqa: E402
-from engine.engine import Engine  # noqa: E402
-from engine.tuning import usable_cores  # noqa: E402
-from engine.workers.classify import ClassifierWorker  # noqa: E402
-from engine.workers.null import NullWorker  # noqa: E402
+from engine.core.engine import Engine  # noqa: E402
+from engine.sched.tuning import usable_cores  # noqa: E402
+from engine.models.classify import ClassifierRunner  # noqa: E402
+from engine.models.noop import NoopRunner  # noqa: E402
 
 
 def long_clip(src: str, dst: Path, passes: int) -> int:
@@ -143,7 +143,7 @@ def bench_engine(path: Path, workers: list | None, batch: int, expect: int, thre
 
     reader = threading.Thread(target=read)
     reader.start()
-    eng = Engine(cfg, workers={"classify": workers} if workers else None)
+    eng = Engine(cfg, models={"classify": workers} if workers else None)
     eng.start()  # warm-up happens here, before the clock starts
     t0 = time.perf_counter()
     reader.join(600)
@@ -188,7 +188,7 @@ def main() -> None:
     vcfg = ClassifyConfig(name=args.model, weights="random", max_batch=args.batch, device="cpu")
 
     def workers(k: int) -> list:  # fresh instances per run (the engine closes its workers), one shared model
-        return [ClassifierWorker(vcfg, model=model, weights_tag="random") for _ in range(k)]
+        return [ClassifierRunner(vcfg, model=model, weights_tag="random") for _ in range(k)]
 
     D, n = bench_decode(clip)
     print(f"clip: {name} = {n} frames; model {args.model}; batch {args.batch}; cores {usable_cores()}; "
@@ -202,7 +202,7 @@ def main() -> None:
     torch.set_num_threads(threads)
     V1, _ = bench_engine(clip, workers(1), args.batch, n, threads)
     torch.set_num_threads(threads)
-    V0, _ = bench_engine(clip, [NullWorker()], args.batch, n, None)
+    V0, _ = bench_engine(clip, [NoopRunner()], args.batch, n, None)
     agree = float(np.mean([vidar_top1[i] == naive_top1[i] for i in range(min(len(naive_top1), n))]))
 
     bound = 1 / (1 / D + 1 / M)

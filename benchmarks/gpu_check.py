@@ -44,9 +44,9 @@ def timed(fn, reps=20):
 def model_latency(results):
     import timm
     from engine.config import ClassifyConfig
-    from engine.workers.classify import ClassifierWorker
-    from engine.ring import FrameView
-    w = ClassifierWorker(ClassifyConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
+    from engine.models.classify import ClassifierRunner
+    from engine.frames.ring import FrameView
+    w = ClassifierRunner(ClassifyConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
     for b in (1, 2, 4, 8):
         x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
         results[f"vitl_bf16_b{b}"] = timed(lambda: w.forward(x))
@@ -72,7 +72,7 @@ def goodput_config(streams: int):
 
 
 def engine_goodput(results, streams: int, seconds: float = 10.0):
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     eng = Engine(goodput_config(streams))
     eng.start()
     time.sleep(seconds)
@@ -90,10 +90,10 @@ def dry_run() -> None:
     """Before a device session: the parts of this script that need no GPU. The live runs' configs build
     (and pass the engine's start-up checks: binds, frame memory for 8 streams of 720p), the modules
     the GPU steps import load, and the GPU test files exist. It proves nothing about the GPU paths."""
-    from engine.binds import exposure_error
-    from engine.frame_budget import total_memory_bytes
-    from engine.ring import FrameView, slots_for  # noqa: F401  (model_latency's imports)
-    from engine.workers.classify import ClassifierWorker  # noqa: F401
+    from engine.security.binds import exposure_error
+    from engine.frames.budget import total_memory_bytes
+    from engine.frames.ring import FrameView, slots_for  # noqa: F401  (model_latency's imports)
+    from engine.models.classify import ClassifierRunner  # noqa: F401
     for n in (1, 4, 8):
         cfg = goodput_config(n)
         assert exposure_error(cfg) is None, exposure_error(cfg)

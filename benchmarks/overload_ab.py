@@ -1,12 +1,12 @@
-"""2x overload, real engine, NullWorker (sleeps: machine-independent capacity): 4 live streams at 30 fps,
+"""2x overload, real engine, NoopRunner (sleeps: machine-independent capacity): 4 live streams at 30 fps,
 capacity 60 frames/s, budget 250 ms, 20 s. Run from a checkout's root (older commits too: it needs only the engine API):
     python benchmarks/overload_ab.py LABEL [on|off]   # on/off: qos.ladder (omit on commits without it)"""
 import json, socket, sys, threading, time
 sys.path.insert(0, ".")
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from engine.config import build_config
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 
 label, ladder = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
 with socket.socket() as s:
@@ -27,7 +27,7 @@ def read():
         if m:
             lat.append(m["latency_ms"]); per[m["stream"]] += 1
 t = threading.Thread(target=read); t.start()
-eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=1 / 60)})
+eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=1 / 60)})
 eng.start(); time.sleep(20); eng.stop(); stop.set(); t.join(5); sub.close()
 lat.sort()
 drops = {}

@@ -77,11 +77,11 @@ import zmq  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.client import Subscriber  # noqa: E402
+from engine.publish.client import Subscriber  # noqa: E402
 from engine.config import build_config  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.core.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
-from engine.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
+from engine.util.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
 from tests.conftest import write_clip  # noqa: E402
 from tests.media import corrupt_mdat  # noqa: E402
 
@@ -379,11 +379,11 @@ class Soak:
                "py_objects": len(gc.get_objects()), "ring_mb": round(self.ring_bytes() / 2 ** 20, 2),
                "heap": heap_stats(), "smaps": smaps_mb(), "streams": streams}
         bad = eng.streams.get("bad0")
-        if bad is not None and bad.runner is not None:
-            rec["bad0_decode_errors"] = getattr(bad.runner.source, "decode_errors", None)
+        if bad is not None and bad.ingest is not None:
+            rec["bad0_decode_errors"] = getattr(bad.ingest.source, "decode_errors", None)
         rt = eng.streams.get("cam2")
-        if rt is not None and rt.runner is not None and rt.runner.source.network:
-            rec["cam2_reconnects"], rec["cam2_state"] = rt.runner.reconnects, rt.runner.state
+        if rt is not None and rt.ingest is not None and rt.ingest.source.network:
+            rec["cam2_reconnects"], rec["cam2_state"] = rt.ingest.reconnects, rt.ingest.state
         # checks at every sample
         tag = f"t={t:.0f}s"
         if audit:
@@ -419,7 +419,7 @@ class Soak:
     def arm_worker_kill(self) -> None:
         """The next batch on worker 0 raises, once; the pool must rebuild that worker."""
         pool = self.eng.pools[POOL]
-        w = pool.slots.runners[0].worker  # the instance worker thread 0 runs now (a rebuild replaces pool.slots.workers[0])
+        w = pool.slots.workers[0].worker  # the instance worker thread 0 runs now (a rebuild replaces pool.slots.models[0])
         soak = self
 
         def boom(inputs):

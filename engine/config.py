@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from engine.errors import ConfigError
 
 log = logging.getLogger("vidar.config")
 
@@ -59,7 +59,7 @@ class StreamConfig(_Strict):
     def _scheme_ok(cls, v: str) -> str:
         """Refused here, when the config is read or a stream is added at run time, rather than when the
         stream's decoder first opens it (a control request would be answered ok, then the stream fail)."""
-        from streams.base import scheme_error
+        from streams.urls import scheme_error
         why = scheme_error(v)
         if why:
             raise ValueError(why)
@@ -113,7 +113,7 @@ class ClassifyConfig(_Strict):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """auto: bfloat16 on cuda, float32 on cpu."""
     workers: Optional[int] = Field(None, ge=1, le=16)
-    """Worker instances (threads) sharing one copy of the model. Default: chosen from the cores, the
+    """ModelRunner instances (threads) sharing one copy of the model. Default: chosen from the cores, the
     pools and the streams' mode at start, and logged (engine/tuning.py): on a CPU, offline streams get
     one-thread instances (throughput), live ones one instance with the pool's cores (latency); on a GPU 1."""
     threads: Optional[int] = Field(None, ge=1)
@@ -138,7 +138,7 @@ class Sam2Config(_Strict):
     """auto picks cuda when available."""
     threads: Optional[int] = Field(None, ge=1)
     """Intra-op threads per encoder instance on the CPU. Unset (with `encoders` and `decoder_threads`):
-    chosen for the machine's cores by engine.workers.sam2.sam2_thread_defaults (logged at start)."""
+    chosen for the machine's cores by engine.models.sam2.sam2_thread_defaults (logged at start)."""
     decoder_threads: Optional[int] = Field(None, ge=1)
     """Intra-op threads of the decoder stage (the pool's output thread: memory attention, mask decoder,
     memory encoder) on the CPU; it runs beside the encoders, so the two share the cores. Unset: see `threads`."""
@@ -380,7 +380,7 @@ def _auto_token(v: Any) -> Any:
 
 
 def _strong_token(v: Optional[str]) -> Optional[str]:
-    from .binds import token_problem
+    from engine.security.binds import token_problem
     why = token_problem(v) if v is not None else None
     if why:
         raise ValueError(why)
@@ -388,7 +388,7 @@ def _strong_token(v: Optional[str]) -> Optional[str]:
 
 
 def _is_loopback(host: str) -> bool:  # kept for the view server's import; the rule lives in engine/binds.py
-    from .binds import is_loopback_host
+    from engine.security.binds import is_loopback_host
     return is_loopback_host(host)
 
 
@@ -476,7 +476,7 @@ class EngineConfig(_Strict):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Prometheus endpoint."""
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
-    """Worker failure handling."""
+    """ModelRunner failure handling."""
     security: SecurityConfig = Field(default_factory=SecurityConfig)
     """CURVE encryption and client allow-list for the ZeroMQ sockets."""
     status: StatusConfig = Field(default_factory=StatusConfig)
@@ -519,7 +519,7 @@ class EngineConfig(_Strict):
             if "sam2" not in (streams[o.stream].pools or pools):
                 raise ValueError(f"objects.{i}: objects are SAM 2 prompts: configure models.sam2 and let stream "
                                  f"{o.stream!r} feed it (streams[].pools)")
-        from .binds import exposure_error, stream_exposure_error
+        from engine.security.binds import exposure_error, stream_exposure_error
         exposed = exposure_error(self)
         if exposed:
             raise ValueError(exposed)

@@ -28,7 +28,7 @@ from pycocotools import mask as mask_utils
 
 from _draw import PALETTE, label  # examples/ is on sys.path when a script here runs
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 
 
 def parse_args() -> argparse.Namespace:

@@ -36,9 +36,9 @@ from pycocotools import mask as mask_utils
 
 from _draw import PALETTE, label  # examples/ is on sys.path when a script here runs
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from engine.config import build_config
-from engine.engine import Engine
+from engine.core.engine import Engine
 
 ALPHA = 0.5  # mask overlay opacity
 RECV_TIMEOUT_S = 60.0  # one frame at 1024 px on a small CPU takes seconds, not a minute

@@ -1,12 +1,19 @@
-"""Stream sources: where frames come from (file, network, synthetic) and how a stream is kept alive.
+"""Stream sources: where frames come from (file, network, synthetic) and how they are decoded.
 
-  base.py       the Source interface, the decoded-frame record, and the URL scheme table (open_source)
+  urls.py       the URL rules: which strings vidar opens, and credentials kept out of every text shown
+  base.py       the Source interface and the decoded-frame record
   synthetic.py  synthetic://shapes, a deterministic moving test pattern (no camera needed)
   pyav.py       files and network streams (rtsp, http, rtmp, udp, srt, ...) through PyAV, timeouts always set
+  sources.py    open_source: the table from a URL's scheme to its Source
   backoff.py    the reconnect policy: capped exponential backoff with jitter, pure
-  runner.py     the per-stream decoder thread: pacing, capture times, ring writes, events, reconnects
+
+What it may import: `engine.errors` (the typed errors every package shares) and nothing else of the engine.
+The thread that reads a source into the engine's rings is the engine's (engine/frames/ingest.py), so
+nothing here knows about rings, pools or the engine core; the engine imports streams, never the reverse.
 """
 
-from .base import DecodedFrame, Source, open_source, redact_url
+from streams.base import DecodedFrame, Source
+from streams.sources import open_source
+from streams.urls import redact_url
 
 __all__ = ["DecodedFrame", "Source", "open_source", "redact_url"]

@@ -26,7 +26,8 @@ import av
 
 from engine.errors import SourceOpenError
 
-from .base import DecodedFrame, Source, redact_url, url_scheme
+from streams.base import DecodedFrame, Source
+from streams.urls import redact_url, url_scheme
 
 _NOT_VIDEO_FORMATS = {"tty"}
 

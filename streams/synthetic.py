@@ -16,7 +16,8 @@ import numpy as np
 
 from engine.errors import SourceOpenError
 
-from .base import DecodedFrame, Source, redact_url
+from streams.base import DecodedFrame, Source
+from streams.urls import redact_url
 
 _PATTERNS = ("shapes",)
 

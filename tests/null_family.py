@@ -1,6 +1,6 @@
 """A model family with no model, registered by tests to show that pools are plug-ins."""
 
-from engine.workers.registry import PoolSpec
+from engine.models.registry import PoolSpec
 
 
 def build_pool(cfg, *, workers=None, factory=None):

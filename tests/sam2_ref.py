@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from engine.workers.sam2_model import config_path, size_overrides
+from engine.models.sam2_model import config_path, size_overrides
 
 CONFIG, SIZE = "sam2.1_hiera_t", 256
 

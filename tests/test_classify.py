@@ -8,8 +8,8 @@ from PIL import Image
 
 from engine.config import ClassifyConfig as VitConfig
 from engine.errors import ConfigError, WeightsError
-from engine.ring import FrameView
-from engine.workers.classify import ClassifierWorker
+from engine.frames.ring import FrameView
+from engine.models.classify import ClassifierRunner
 from tests.conftest import decode_all
 
 MODEL = "test_vit"  # timm's registered tiny ViT: the real architecture, 160 px, fast on a CPU
@@ -48,7 +48,7 @@ def model():
 
 
 def worker_logits(model, frames, preprocess):
-    w = ClassifierWorker(VitConfig(name=MODEL, weights="random", preprocess=preprocess, device="cpu"),
+    w = ClassifierRunner(VitConfig(name=MODEL, weights="random", preprocess=preprocess, device="cpu"),
                          model=model, weights_tag="random")
     return w.forward(w.prepare(views(frames)))[0]
 
@@ -74,7 +74,7 @@ def test_fidelity_check_catches_colour_order_and_normalisation_bugs(model, frame
     ref = timm_reference(model, frames)
     bgr = worker_logits(model, [np.ascontiguousarray(f[..., ::-1]) for f in frames], mode)
     assert rel_err(bgr, ref) > 1e-2
-    from engine.workers import classify
+    from engine.models import classify
     real_init = classify.Preprocessor.__init__
 
     def imagenet_norm(self, *a, **k):  # the "constants scattered in the pipeline" bug
@@ -87,7 +87,7 @@ def test_fidelity_check_catches_colour_order_and_normalisation_bugs(model, frame
 
 
 def test_outputs_topk_labels_and_embedding(model, frames):
-    w = ClassifierWorker(VitConfig(name=MODEL, weights="random", topk=3, embedding=True, device="cpu"),
+    w = ClassifierRunner(VitConfig(name=MODEL, weights="random", topk=3, embedding=True, device="cpu"),
                          model=model, weights_tag="random")
     out = w.infer(w.prepare(views(frames[:2])))
     assert len(out) == 2
@@ -100,7 +100,7 @@ def test_outputs_topk_labels_and_embedding(model, frames):
 
 
 def test_preprocessing_comes_from_the_model_config(model):
-    w = ClassifierWorker(VitConfig(name=MODEL, weights="random", device="cpu"), model=model)
+    w = ClassifierRunner(VitConfig(name=MODEL, weights="random", device="cpu"), model=model)
     assert w.pre.data_config["input_size"] == (3, 160, 160)  # test_vit's own, not 224
     x = w.prepare(views([np.zeros((90, 200, 3), np.uint8)]))
     assert x.shape == (1, 3, 160, 160)
@@ -110,7 +110,7 @@ def test_weights_file_roundtrip_and_strict_errors(tmp_path, frames):
     m = seeded_model(seed=3)
     path = tmp_path / "w.pth"
     torch.save(m.state_dict(), path)
-    w = ClassifierWorker(VitConfig(name=MODEL, weights=str(path), device="cpu"))
+    w = ClassifierRunner(VitConfig(name=MODEL, weights=str(path), device="cpu"))
     assert w.weights_tag == "w.pth"
     ref = timm_reference(m, frames[:2])
     out = w.forward(w.prepare(views(frames[:2])))[0]
@@ -121,14 +121,14 @@ def test_weights_file_roundtrip_and_strict_errors(tmp_path, frames):
     torch.save({"state_dict": sd}, path)
     with pytest.raises(WeightsError, match=r"w.pth does not fit test_vit: missing keys \['blocks.0.attn.qkv.weight'\]"
                                            r".*unexpected keys \['bogus.weight'\]"):
-        ClassifierWorker(VitConfig(name=MODEL, weights=str(path), device="cpu"))
+        ClassifierRunner(VitConfig(name=MODEL, weights=str(path), device="cpu"))
 
 
 def test_safetensors_weights(tmp_path):
     from safetensors.torch import save_file
     m = seeded_model(seed=4)
     save_file({k: v.contiguous() for k, v in m.state_dict().items()}, tmp_path / "w.safetensors")
-    w = ClassifierWorker(VitConfig(name=MODEL, weights=str(tmp_path / "w.safetensors"), device="cpu"))
+    w = ClassifierRunner(VitConfig(name=MODEL, weights=str(tmp_path / "w.safetensors"), device="cpu"))
     assert torch.equal(w.model.head.weight, m.head.weight)
 
 
@@ -137,19 +137,19 @@ def test_safetensors_weights(tmp_path):
 ])
 def test_weights_errors(weights, message):
     with pytest.raises(WeightsError, match=message):
-        ClassifierWorker(VitConfig(name=MODEL, weights=weights, device="cpu"))
+        ClassifierRunner(VitConfig(name=MODEL, weights=weights, device="cpu"))
 
 
 def test_garbage_weights_file(tmp_path):
     p = tmp_path / "junk.pth"
     p.write_bytes(b"not a checkpoint")
     with pytest.raises(WeightsError, match=r"cannot read '.*junk.pth'"):
-        ClassifierWorker(VitConfig(name=MODEL, weights=str(p), device="cpu"))
+        ClassifierRunner(VitConfig(name=MODEL, weights=str(p), device="cpu"))
 
 
 def test_unknown_model_name():
     with pytest.raises(ConfigError, match=r"models.classify.name: 'vit_hyuge_patch16' is not a timm model; close names"):
-        ClassifierWorker(VitConfig(name="vit_hyuge_patch16", weights="random", device="cpu"))
+        ClassifierRunner(VitConfig(name="vit_hyuge_patch16", weights="random", device="cpu"))
 
 
 def test_pretrained_without_internet_says_what_to_do(monkeypatch):
@@ -158,11 +158,11 @@ def test_pretrained_without_internet_says_what_to_do(monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True, raising=False)
     with pytest.raises(WeightsError, match=r"could not download pretrained weights for 'test_vit'.*"
                                            r"set models.classify.weights to a local state_dict file or to 'random'"):
-        ClassifierWorker(VitConfig(name=MODEL, weights="pretrained", device="cpu"))
+        ClassifierRunner(VitConfig(name=MODEL, weights="pretrained", device="cpu"))
 
 
 def test_random_weights_warn(caplog):
     with caplog.at_level("WARNING"):
-        w = ClassifierWorker(VitConfig(name=MODEL, weights="random", device="cpu"))
+        w = ClassifierRunner(VitConfig(name=MODEL, weights="random", device="cpu"))
     assert w.weights_tag == "random"
     assert "RANDOM weights" in caplog.text

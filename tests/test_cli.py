@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import free_port, write_clip
 
-VIDAR = [sys.executable, "-m", "engine.cli"]
+VIDAR = [sys.executable, "-m", "engine.control.cli"]
 
 
 def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):

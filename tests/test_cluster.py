@@ -110,11 +110,11 @@ def test_a_placed_stream_s_estimate_counts_until_a_report_measures_it():
 def _bare_actor(streams, workers):
     """An EngineActor's report without Ray: the engine is all it reads."""
     from engine.cluster.engine_actor import EngineActor
-    from engine.engine import Engine
+    from engine.core.engine import Engine
     from tests.conftest import engine_config
     cfg = engine_config(streams, f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 1000})
     actor = object.__new__(EngineActor)
-    actor.engine, actor._last, actor._cost, actor._ran = Engine(cfg, workers={"classify": workers}), {}, {}, {}
+    actor.engine, actor._last, actor._cost, actor._ran = Engine(cfg, models={"classify": workers}), {}, {}, {}
     actor.engine.start()
     return actor
 
@@ -126,10 +126,10 @@ def test_an_engine_reports_the_cost_per_frame_its_workers_spent_at_the_batch_siz
     half its batch-1 time. Before the first measurement, and again once the pool ran nothing for a
     report (its streams left), the estimate is that batch-1 time: the mean, not the scheduler's deadline
     quantile (20 % above after one warm-up batch), per worker instance."""
-    from engine.workers.null import NullWorker
+    from engine.models.noop import NoopRunner
     from tests.conftest import wait_for
     actor = _bare_actor([{"id": f"c{i}", "url": "synthetic://shapes?size=64x48&fps=10"} for i in range(4)],
-                        NullWorker(latency_s=0.04, per_frame_s=0.01))
+                        NoopRunner(latency_s=0.04, per_frame_s=0.01))
     eng, cost = actor.engine, lambda: actor.report()["frame_s"]["classify"]
     try:
         b1 = cost()
@@ -152,7 +152,7 @@ def test_an_engine_reports_the_cost_per_frame_its_workers_spent_at_the_batch_siz
     assert b1 == pytest.approx(0.05, rel=0.1)  # the mean batch-1 time (warm-up) until frames are measured
     assert 0.0125 <= got <= 0.035, got  # batches of 2-4: 30-20 ms and 12.5 ms at the most
     assert quiet == pytest.approx(0.05, rel=0.2), quiet  # no frames for a report: batch 1 again
-    two = _bare_actor([{"id": "slow", "url": "synthetic://shapes?size=64x48&fps=1"}], [NullWorker(latency_s=0.04, per_frame_s=0.01), NullWorker(latency_s=0.04, per_frame_s=0.01)])
+    two = _bare_actor([{"id": "slow", "url": "synthetic://shapes?size=64x48&fps=1"}], [NoopRunner(latency_s=0.04, per_frame_s=0.01), NoopRunner(latency_s=0.04, per_frame_s=0.01)])
     try:
         assert two.report()["frame_s"]["classify"] == pytest.approx(0.025, rel=0.1)  # two instances: half each
     finally:
@@ -320,7 +320,7 @@ def _wait(cond, timeout, step=0.2):
 
 
 def _subscriber(d):
-    from engine.client import Subscriber
+    from engine.publish.client import Subscriber
     return Subscriber(d.proxy.endpoint, topics=[""])
 
 
@@ -373,7 +373,7 @@ def test_engines_and_the_controller_run_at_normal_priority(driver):
 
 def test_cluster_status_command_lists_engines(driver, cluster):
     ray, c, _ = cluster
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "cluster", "status", "--json", "--address", c.address],
+    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "cluster", "status", "--json", "--address", c.address],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)
@@ -556,7 +556,7 @@ def test_a_restarted_controller_keeps_the_desired_state(driver, cluster):
 
 
 def test_single_node_run_never_imports_ray(tmp_path):
-    code = ("import sys; from engine.cli import main; "
+    code = ("import sys; from engine.control.cli import main; "
             "rc = main(['run', sys.argv[1]]); assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"streams: [{{id: a, url: 'synthetic://shapes?size=64x48&fps=30&frames=5', mode: offline}}]\n"

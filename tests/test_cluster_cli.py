@@ -16,7 +16,7 @@ from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(900)  # Ray's processes start slowly on a busy 2-core machine
 
-VIDAR = [sys.executable, "-m", "engine.cli"]
+VIDAR = [sys.executable, "-m", "engine.control.cli"]
 
 
 @pytest.fixture

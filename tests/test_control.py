@@ -9,9 +9,9 @@ import msgpack
 import pytest
 import zmq
 
-from engine.control import handle, request, serve
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.control.control_socket import handle, request, serve
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
 from tests.test_e2e import Collector
 
@@ -47,7 +47,7 @@ def with_control(cfg):
 def running(endpoint):
     cfg, ctl = with_control(engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
                                           budget={"latency_ms": 500}))
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     server = ControlServer(eng)
     yield eng, ctl
@@ -163,7 +163,7 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
 
 
 def test_vidar_control_command_line(running, capsys):
-    from engine.cli import main
+    from engine.control.cli import main
     eng, ctl = running
     assert main(["control", "--endpoint", ctl, "list"]) == 0
     assert '"cam1"' in capsys.readouterr().out

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from engine.engine import Engine
-from engine.runtime import EXIT_DEAD, StatusPrinter, run
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.control.runtime import EXIT_DEAD, StatusPrinter, run
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
 from tests.test_e2e import Collector
 
@@ -35,7 +35,7 @@ def test_removing_a_stream_ends_its_frames_before_its_eos(endpoint):
                         budget={"latency_ms": 2000}, models={"classify": {"max_batch": 4, "workers": 2}},
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["b"])
-    eng = Engine(cfg, workers={"classify": [NullWorker(per_frame_s=0.01), NullWorker(per_frame_s=0.01)]})
+    eng = Engine(cfg, models={"classify": [NoopRunner(per_frame_s=0.01), NoopRunner(per_frame_s=0.01)]})
     eng.start()
     try:
         assert wait(lambda: snap(eng, "b").published > 20)
@@ -57,7 +57,7 @@ def test_removing_a_stream_ends_its_frames_before_its_eos(endpoint):
 
 def test_removal_reply_waits_for_the_eos_and_the_id_comes_back(endpoint):
     cfg = engine_config([{"id": "a", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint, budget={"latency_ms": 1000})
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.002)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.002)})
     eng.start()
     try:
         for i in range(3):
@@ -78,7 +78,7 @@ def test_an_add_that_timed_out_while_waiting_for_a_removal_never_starts(endpoint
     timeout marked the outer future, not the table's deferred one)."""
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30"}], endpoint,
                         budget={"latency_ms": 60_000}, models={"classify": {"max_batch": 1}})
-    eng = Engine(cfg, workers={"classify": NullWorker(latency_s=1.5)})  # a batch holds the removal ~1.5 s
+    eng = Engine(cfg, models={"classify": NoopRunner(latency_s=1.5)})  # a batch holds the removal ~1.5 s
     eng.start()
     try:
         acct = eng.pools["classify"].acct
@@ -102,8 +102,8 @@ def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
                          {"id": "l2", "url": "synthetic://shapes?size=32x32&fps=60"}], endpoint,
                         budget={"latency_ms": 300}, models={"classify": {"max_batch": 1}}, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["short"])
-    worker = NullWorker(per_frame_s=0.01)  # 100 frames/s of capacity against 120 offered: never idle
-    eng = Engine(cfg, workers={"classify": worker})
+    worker = NoopRunner(per_frame_s=0.01)  # 100 frames/s of capacity against 120 offered: never idle
+    eng = Engine(cfg, models={"classify": worker})
     eng.start()
     try:
         assert wait(lambda: eng.streams["short"].eos_sent, 10)
@@ -123,8 +123,8 @@ def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):
     "terminate called without an active exception", exit 134, as bench_view did with vit_tiny)."""
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=1000", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 1}})
-    worker = NullWorker(per_frame_s=0.4)
-    eng = Engine(cfg, workers={"classify": worker})
+    worker = NoopRunner(per_frame_s=0.4)
+    eng = Engine(cfg, models={"classify": worker})
     eng.start()
     assert wait(lambda: worker.batches >= 2, 20)  # a batch is running now (each takes 0.4 s)
     eng.stop(drain=False)
@@ -134,13 +134,13 @@ def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):
 def test_a_leaked_frame_breaks_the_conservation_check(endpoint, monkeypatch):
     """in_flight is counted from what the holders hold, so a frame lost between two of them shows: the
     accounting no longer closes for that stream, while it closes at every sample when nothing leaks."""
-    from engine.output import OutputStage
+    from engine.executor.output_stage import OutputStage
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=40", "mode": "offline"}],
                         endpoint)
     samples = []
 
     def run_and_sample():
-        eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.002)})
+        eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.002)})
         eng.start()
         while not eng.finished():
             samples.append((snap(eng, "s").balanced(), eng.audit()))
@@ -164,7 +164,7 @@ def test_a_leaked_frame_breaks_the_conservation_check(endpoint, monkeypatch):
     samples.clear()
     cfg.streams[0].url = cfg.streams[0].url  # same config, fresh engine
     t_end = time.monotonic() + 5
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.002)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.002)})
     eng.start()
     while time.monotonic() < t_end and snap(eng, "s").published < 39:
         time.sleep(0.01)
@@ -207,8 +207,8 @@ class _StallOnce:
 
 
 def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
-    import engine.engine as engine_module
-    from engine.workers import registry
+    import engine.core.engine as engine_module
+    from engine.models import registry
     proc = _StallOnce()
 
     def with_processor(name, cfg, workers=None, factory=None):
@@ -220,7 +220,7 @@ def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
                         endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5},
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s"])
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     assert wait(eng.finished, 20)
     proc.release.set()  # the abandoned thread wakes up: what it finishes must change nothing
@@ -236,7 +236,7 @@ def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
 
 def test_an_exception_in_output_processing_fails_that_batch_only(endpoint, monkeypatch):
     """The first engine stalled its reorder buffer for ever when completion raised on a worker thread."""
-    from engine.output import OutputStage
+    from engine.executor.output_stage import OutputStage
     real = OutputStage._publish
     calls, bad = Counter(), []
 
@@ -250,7 +250,7 @@ def test_an_exception_in_output_processing_fails_that_batch_only(endpoint, monke
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=20", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}}, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s"])
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     assert wait(eng.finished, 20)
     eng.stop()
@@ -265,7 +265,7 @@ def test_an_exception_in_output_processing_fails_that_batch_only(endpoint, monke
 
 def test_a_core_crash_fails_every_frame_in_flight_and_exits_3(endpoint, monkeypatch):
     """The first engine's dispatcher crash left its frames in_flight for ever."""
-    from engine.scheduler import EdfScheduler
+    from engine.sched.scheduler import EdfScheduler
     real = EdfScheduler.schedule
     calls = Counter()
 
@@ -278,7 +278,7 @@ def test_a_core_crash_fails_every_frame_in_flight_and_exits_3(endpoint, monkeypa
     cfg = engine_config([{"id": f"s{i}", "url": "synthetic://shapes?size=32x32&fps=30"} for i in range(2)], endpoint,
                         budget={"latency_ms": 500}, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s0", "s1"])
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.01)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.01)})
     assert run(eng) == EXIT_DEAD
     eos = [m for m in col.wait(10) if m["type"] == "event" and m["kind"] == "eos"]
     assert sorted(m["stream"] for m in eos) == ["s0", "s1"]
@@ -292,21 +292,21 @@ def test_a_core_crash_fails_every_frame_in_flight_and_exits_3(endpoint, monkeypa
 def test_a_late_success_after_the_watchdog_changes_nothing(endpoint):
     """Batch 2 hangs; the watchdog fails it and replaces the worker; the new worker is busy with a slow
     batch when the hung one finishes: that late success must not publish or touch the new worker."""
-    hung = NullWorker(hang_on_batch=2)
+    hung = NoopRunner(hang_on_batch=2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=30", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5},
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s"])
-    eng = Engine(cfg, workers={"classify": [hung]}, worker_factories={"classify": lambda: NullWorker(per_frame_s=0.05)})
+    eng = Engine(cfg, models={"classify": [hung]}, model_factories={"classify": lambda: NoopRunner(per_frame_s=0.05)})
     eng.start()
     pool = eng.pools["classify"]
-    assert wait(lambda: pool.slots.rebuilds == 1 and pool.slots.runners[0].current is not None, 10)
-    new_runner, its_batch = pool.slots.runners[0], pool.slots.runners[0].current
+    assert wait(lambda: pool.slots.rebuilds == 1 and pool.slots.workers[0].current is not None, 10)
+    new_runner, its_batch = pool.slots.workers[0], pool.slots.workers[0].current
     hung.release_hang.set()  # the abandoned thread finishes batch 2 now, successfully
     time.sleep(0.1)
     # the late success was refused: the new worker kept its slot and its batch (the first engine could mark
     # it idle while busy, so a second batch was submitted to a busy worker)
-    assert pool.slots.runners[0] is new_runner and its_batch.id >= 2
+    assert pool.slots.workers[0] is new_runner and its_batch.id >= 2
     assert wait(eng.finished, 20) and eng.check_dead() is None
     eng.stop()
     seqs = [m["seq"] for m in col.wait(5) if m["type"] == "classify" and m["stream"] == "s"]
@@ -319,9 +319,9 @@ def test_status_rates_are_per_pool_and_stream():
     """One stream feeding two pools: each pool's line has its own rate (the first engine keyed the last
     sample by stream only, so the second pool's rate was taken against the first pool's counts)."""
     from types import SimpleNamespace
-    from engine.accounting import Accounting
+    from engine.frames.accounting import Accounting
     fast, slow = Accounting("classify"), Accounting("sam2")
-    entry = SimpleNamespace(id="cam", state="running", pools=["classify", "sam2"], runner=None,
+    entry = SimpleNamespace(id="cam", state="running", pools=["classify", "sam2"], ingest=None,
                             display_state="running", cfg=SimpleNamespace(mode="live"))
     every = SimpleNamespace(interval=lambda stream: 1)  # the ladder at rung 0
     eng = SimpleNamespace(pools={"classify": SimpleNamespace(acct=fast, qos=every),
@@ -342,7 +342,7 @@ def test_status_rates_are_per_pool_and_stream():
 def test_internal_errors_never_log_the_request(endpoint, caplog, monkeypatch):
     """A control request can hold a camera's password in its URL: an internal error logs neither."""
     cfg = engine_config([{"id": "a", "url": "synthetic://shapes?size=32x32&fps=10"}], endpoint)
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     try:
         def broken(scfg, *a):
@@ -358,7 +358,7 @@ def test_internal_errors_never_log_the_request(endpoint, caplog, monkeypatch):
 def test_admission_limit_on_streams(endpoint):
     cfg = engine_config([{"id": f"s{i}", "url": "synthetic://shapes?size=32x32&fps=10"} for i in range(2)],
                         endpoint, max_streams=2)
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     try:
         reply = eng.control({"op": "add_stream", "stream": {"id": "s2", "url": "synthetic://shapes"}})
@@ -372,14 +372,14 @@ def test_admission_limit_on_streams(endpoint):
 @pytest.mark.parametrize("pools, expect", [(None, {"classify", "null2"}), (["null2"], {"null2"})])
 def test_a_stream_feeds_only_its_pools(endpoint, pools, expect, monkeypatch):
     """streams[].pools picks the pools; the engine builds only the configured ones (families are plug-ins)."""
-    from engine.workers import registry
+    from engine.models import registry
     monkeypatch.setitem(registry.FAMILIES, "null2", "tests.null_family")
     from engine.config import ModelsConfig
     monkeypatch.setattr(ModelsConfig, "configured", lambda self: {"classify": self.classify, "null2": self.classify})
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=5", "mode": "offline"}],
                         endpoint)
     cfg.streams[0].pools = pools  # after validation: the config knows no family called null2
-    eng = Engine(cfg, workers={"classify": NullWorker(), "null2": NullWorker(kind="null2")})
+    eng = Engine(cfg, models={"classify": NoopRunner(), "null2": NoopRunner(kind="null2")})
     eng.start()
     assert wait(eng.finished, 10)
     eng.stop()
@@ -398,7 +398,7 @@ def test_200_streams_added_and_removed_release_everything(endpoint):
     port = free_port()
     cfg = engine_config([{"id": "base", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint,
                         budget={"latency_ms": 2000}, metrics={"enabled": True, "port": port})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
 
     def series():
@@ -444,7 +444,7 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
     """Stream `off` (offline) has one subscriber that stopped reading; stream `live` has its own reader.
     The offline stream stops (credit: its frames wait in its ring, its decoder waits), and nothing of it
     is lost; the live stream is served as if alone: no late results, no drops but for its deadline."""
-    from engine.client import Subscriber
+    from engine.publish.client import Subscriber
     from tests.test_publisher import stuck_subscriber
     cfg = engine_config([{"id": "off", "url": "synthetic://shapes?size=64x48&fps=30&frames=2000", "mode": "offline"},
                          {"id": "live", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint,
@@ -452,10 +452,10 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
     stuck = stuck_subscriber(endpoint, ["classify.off"])
     reader = Subscriber(endpoint, ["classify.live"])
 
-    class Padded(NullWorker):  # 20 KB results, so the stuck subscriber's queues and socket buffers fill
+    class Padded(NoopRunner):  # 20 KB results, so the stuck subscriber's queues and socket buffers fill
         def infer(self, inputs):
             return [{"pad": b"x" * 20_000} for _ in super().infer(inputs)]
-    eng = Engine(cfg, workers={"classify": Padded(per_frame_s=0.001)})
+    eng = Engine(cfg, models={"classify": Padded(per_frame_s=0.001)})
     eng.start()
     try:
         assert wait(lambda: eng.publisher.pending().get("off", 0) > 0, 10)  # off is held back now

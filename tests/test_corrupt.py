@@ -4,7 +4,7 @@ must end (no hang), count what it lost, and never crash."""
 
 import numpy as np
 
-from engine.workers.null import NullWorker
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, write_clip
 from tests.media import corrupt_mdat, faststart
 from tests.test_e2e import Collector, run_engine
@@ -20,7 +20,7 @@ def run_with_healthy_neighbour(tmp_path, endpoint, bad_url, **extra):
                {"id": "bad", "url": str(bad_url), "mode": "offline"}]
     cfg = engine_config(streams, endpoint, publish={"min_subscribers": 1}, **extra)
     col = Collector(endpoint, ["good", "bad"])
-    eng, finished = run_engine(cfg, workers={"classify": NullWorker()}, timeout=60)
+    eng, finished = run_engine(cfg, models={"classify": NoopRunner()}, timeout=60)
     msgs = col.wait(10)
     assert finished, "the engine must finish: no hang"
     good = sorted(m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == "good")

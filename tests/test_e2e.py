@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from engine.config import ClassifyConfig as VitConfig
-from engine.engine import Engine
-from engine.workers.classify import ClassifierWorker
-from engine.workers.base import OutputProcessor
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.models.classify import ClassifierRunner
+from engine.models.base import PostProcessor
+from engine.models.noop import NoopRunner
 from tests.conftest import decode_all, engine_config, wait_for, write_clip
 from tests.test_classify import seeded_model, timm_reference
 
@@ -45,8 +45,8 @@ class Collector:
         return self.msgs
 
 
-def run_engine(cfg, workers=None, timeout=60):
-    eng = Engine(cfg, workers=workers)
+def run_engine(cfg, models=None, timeout=60):
+    eng = Engine(cfg, models=workers)
     eng.start()
     t_end = time.monotonic() + timeout
     while not eng.finished() and time.monotonic() < t_end:
@@ -80,12 +80,12 @@ def test_offline_file_every_frame_once_then_eos(tmp_path, endpoint):
 def test_engine_outputs_equal_timm_end_to_end(clip48, endpoint):
     """Acceptance 4 through the whole engine: published top-k equals timm's pipeline on the decoded frames."""
     model = seeded_model()
-    worker = ClassifierWorker(VitConfig(name="test_vit", weights="random", preprocess="exact", device="cpu"),
+    worker = ClassifierRunner(VitConfig(name="test_vit", weights="random", preprocess="exact", device="cpu"),
                               model=model, weights_tag="random")
     cfg = engine_config([{"id": "f", "url": str(clip48), "mode": "offline"}], endpoint,
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["f"])
-    run_engine(cfg, workers={"classify": worker})
+    run_engine(cfg, models={"classify": worker})
     results = {m["seq"]: m for m in col.wait() if m["type"] == "classify"}
     frames = decode_all(clip48)
     assert len(results) == len(frames)
@@ -99,12 +99,12 @@ def test_engine_outputs_equal_timm_end_to_end(clip48, endpoint):
 def test_live_slow_worker_never_publishes_late_and_accounts_every_frame(endpoint):
     budget_ms = 120
     # 30 fps in, a worker that manages ~16 fps: frames must be dropped, never published late
-    slow = NullWorker(per_frame_s=0.06)
+    slow = NoopRunner(per_frame_s=0.06)
     cfg = engine_config([{"id": "live1", "url": "synthetic://shapes?size=160x120&fps=30&frames=90", "mode": "live"}],
                         endpoint, budget={"latency_ms": budget_ms}, publish={"min_subscribers": 1},
                         models={"classify": {"max_batch": 2}})
     col = Collector(endpoint, ["live1"])
-    eng = Engine(cfg, workers={"classify": slow})
+    eng = Engine(cfg, models={"classify": slow})
     eng.start()
     balanced_always = True
     while not eng.finished():
@@ -133,7 +133,7 @@ def test_bad_streams_do_not_stop_good_ones(tmp_path, endpoint):
     # (a malformed synthetic:// URL is refused with the config, exit 2: tests/test_hostile.py)
     cfg = engine_config(streams, endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["good", "missing", "text"])
-    eng, finished = run_engine(cfg, workers={"classify": NullWorker()})
+    eng, finished = run_engine(cfg, models={"classify": NoopRunner()})
     msgs = col.wait()
     assert finished and eng.any_failed()
     assert sorted(m["seq"] for m in msgs if m["type"] == "classify" and m["stream"] == "good") == list(range(20))
@@ -144,10 +144,10 @@ def test_bad_streams_do_not_stop_good_ones(tmp_path, endpoint):
 
 
 def test_model_error_fails_the_batch_and_counts_it(endpoint):
-    worker = NullWorker(fail_on_batch=2)
+    worker = NoopRunner(fail_on_batch=2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=96x64&fps=30&frames=12", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}})
-    eng, finished = run_engine(cfg, workers={"classify": worker})
+    eng, finished = run_engine(cfg, models={"classify": worker})
     s = eng.pools["classify"].acct.snapshot("s")
     assert finished
     assert s.failed == {"model_error": len(worker.batch_sizes) and worker.batch_sizes[1]}
@@ -158,7 +158,7 @@ def test_stop_drains_and_sends_one_eos_per_stream(endpoint):
     cfg = engine_config([{"id": f"c{i}", "url": "synthetic://shapes?size=96x64&fps=30"} for i in range(3)],
                         endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["c0", "c1", "c2"])
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.005)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.005)})
     eng.start()
     t_end = time.monotonic() + 20
     while time.monotonic() < t_end and min(eng.pools["classify"].acct.snapshot(f"c{i}").published for i in range(3)) <= 10:
@@ -181,7 +181,7 @@ def test_two_workers_publish_each_stream_in_order(endpoint):
     """Batches finish out of order on two workers; results still leave in sequence per stream."""
     import random
 
-    class Jittery(NullWorker):
+    class Jittery(NoopRunner):
         def infer(self, inputs):
             time.sleep(random.Random(inputs[0]).uniform(0, 0.02))
             return super().infer(inputs)
@@ -191,7 +191,7 @@ def test_two_workers_publish_each_stream_in_order(endpoint):
                         endpoint, publish={"min_subscribers": 1}, models={"classify": {"max_batch": 3, "workers": 2}})
     col = Collector(endpoint, ["a", "b"])
     workers = [Jittery(), Jittery()]
-    _, finished = run_engine(cfg, workers={"classify": workers})
+    _, finished = run_engine(cfg, models={"classify": workers})
     msgs = col.wait()
     assert finished and all(w.batches > 0 for w in workers)
     for sid in ("a", "b"):
@@ -226,7 +226,7 @@ def test_noop_pool_costs_its_fixed_time_per_frame(endpoint):
     assert eng.pools["noop"].scheduler.latency.measured()[1] == pytest.approx(per, abs=0.02)
 
 
-class _SlowOutput(OutputProcessor):
+class _SlowOutput(PostProcessor):
     """An output processor that takes `per` seconds a frame on the pool's output thread (as SAM 2's
     decoder stage does there), changing nothing."""
 

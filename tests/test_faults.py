@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from engine.engine import Engine
-from engine.runtime import EXIT_DEAD, run
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.control.runtime import EXIT_DEAD, run
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
 from tests.test_e2e import Collector
 
@@ -23,12 +23,12 @@ def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
     built = []
 
     def factory():
-        built.append(NullWorker())
+        built.append(NoopRunner())
         return built[-1]
-    first = NullWorker(fail_on_batch=3)
+    first = NoopRunner(fail_on_batch=3)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=40", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}})
-    eng = Engine(cfg, workers={"classify": [first]}, worker_factories={"classify": factory})
+    eng = Engine(cfg, models={"classify": [first]}, model_factories={"classify": factory})
     eng.start()
     assert wait(eng.finished)
     eng.stop()
@@ -39,10 +39,10 @@ def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
 
 
 def test_hung_batch_is_caught_by_the_watchdog(endpoint):
-    hung = NullWorker(hang_on_batch=2)
+    hung = NoopRunner(hang_on_batch=2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30&frames=30", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
-    eng = Engine(cfg, workers={"classify": [hung]}, worker_factories={"classify": NullWorker})
+    eng = Engine(cfg, models={"classify": [hung]}, model_factories={"classify": NoopRunner})
     eng.start()
     assert wait(eng.finished)
     eng.stop()
@@ -57,11 +57,11 @@ def test_k_failures_make_the_engine_dead_with_exit_code_3(endpoint):
                         endpoint, faults={"max_failures": 3, "window_s": 10}, publish={"min_subscribers": 1},
                         control={"enabled": False})
 
-    class Broken(NullWorker):
+    class Broken(NoopRunner):
         def infer(self, inputs):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
     col = Collector(endpoint, ["s0", "s1"])
-    eng = Engine(cfg, workers={"classify": [Broken()]}, worker_factories={"classify": Broken})
+    eng = Engine(cfg, models={"classify": [Broken()]}, model_factories={"classify": Broken})
     t0 = time.monotonic()
     assert run(eng) == EXIT_DEAD
     assert time.monotonic() - t0 < 10
@@ -76,7 +76,7 @@ def test_failed_start_exits_3_and_releases_everything(endpoint):
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
                         publish={"min_subscribers": 1, "wait_subscribers_s": 0.5}, control={"enabled": False})
     before = set(threading.enumerate())
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     assert run(eng) == EXIT_DEAD
     assert eng.state == "stopped"
     left = [t.name for t in set(threading.enumerate()) - before if t.name.startswith(("source-", "pool-", "publisher"))]

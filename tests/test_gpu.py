@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.accounting import Accounting
+from engine.frames.accounting import Accounting
 from engine.config import ClassifyConfig as VitConfig
-from engine.frame import FrameMeta
-from engine.ring import FrameRing
-from engine.workers.classify import ClassifierWorker
+from engine.frames.lifecycle import FrameMeta
+from engine.frames.ring import FrameRing
+from engine.models.classify import ClassifierRunner
 from tests.conftest import decode_all
 from tests.test_classify import rel_err, seeded_model, timm_reference, views
 
@@ -36,7 +36,7 @@ def test_cuda_fast_preprocessing_and_bf16_match_timm(clip48):
     model = seeded_model()
     ref = timm_reference(model, frames)
     for dtype in ("float32", "bfloat16"):
-        w = ClassifierWorker(VitConfig(name="test_vit", weights="random", device="cuda", dtype=dtype),
+        w = ClassifierRunner(VitConfig(name="test_vit", weights="random", device="cuda", dtype=dtype),
                              model=seeded_model(), weights_tag="random")
         x = w.prepare(views(frames))
         assert x.is_cuda and x.dtype == getattr(torch, dtype)

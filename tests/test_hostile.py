@@ -21,10 +21,10 @@ import pytest
 import yaml
 
 from engine.config import ObjectConfig, build_config
-from engine.engine import Engine
+from engine.core.engine import Engine
 from engine.errors import ConfigError
-from engine.runtime import EXIT_DEAD, EXIT_OK, run
-from engine.workers.null import NullWorker
+from engine.control.runtime import EXIT_DEAD, EXIT_OK, run
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port, wait_for
 from tests.test_e2e import Collector
 
@@ -99,7 +99,7 @@ def test_a_huge_object_id_is_refused_and_every_subscriber_keeps_receiving(tmp_pa
     assert got and got[-1]["objects"][0]["id"] == 2**31 - 1
 
 
-class _Unencodable(NullWorker):
+class _Unencodable(NoopRunner):
     """Every 4th frame's result carries an integer msgpack cannot encode (a custom family's bug)."""
 
     def infer(self, inputs):
@@ -112,7 +112,7 @@ def test_a_result_that_cannot_be_encoded_fails_that_frame_only(endpoint, caplog)
     cfg = engine_config([{"id": f"s{i}", "url": f"synthetic://shapes?size=64x64&fps=30&frames={n}",
                           "mode": "offline"} for i in range(2)], endpoint, publish={"min_subscribers": 1})
     col = Collector(endpoint, ["s0", "s1"])
-    eng = Engine(cfg, workers={"classify": [_Unencodable()]})
+    eng = Engine(cfg, models={"classify": [_Unencodable()]})
     t0 = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="vidar.publish"):
         eng.start()
@@ -129,7 +129,7 @@ def test_a_result_that_cannot_be_encoded_fails_that_frame_only(endpoint, caplog)
     assert eng.check_dead() is None
     # logged in aggregate (at most once per stream every LOG_EVERY_S), naming the stream and the error: fewer
     # lines than failed frames (one per frame would be `bad` lines a stream)
-    from engine.publisher import LOG_EVERY_S
+    from engine.publish.publisher import LOG_EVERY_S
     elapsed = time.monotonic() - t0
     lines = [r.getMessage() for r in caplog.records if "cannot be encoded" in r.getMessage()]
     for s in ("s0", "s1"):
@@ -139,7 +139,7 @@ def test_a_result_that_cannot_be_encoded_fails_that_frame_only(endpoint, caplog)
 
 
 def test_a_publisher_that_dies_is_engine_death_with_exit_3(endpoint, monkeypatch, caplog):
-    from engine.publisher import Publisher
+    from engine.publish.publisher import Publisher
     calls = []
     real = Publisher._serve_result
 
@@ -151,7 +151,7 @@ def test_a_publisher_that_dies_is_engine_death_with_exit_3(endpoint, monkeypatch
     monkeypatch.setattr(Publisher, "_serve_result", crash_on_the_fifth)
     cfg = engine_config([{"id": "s0", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
                         budget={"latency_ms": 1000})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     t0 = time.monotonic()
     with _SigintAfter(30), caplog.at_level(logging.ERROR):
         assert run(eng) == EXIT_DEAD
@@ -175,10 +175,10 @@ def _crash_on_call(monkeypatch, cls, name: str, k: int, why: str) -> None:
 
 
 def _offline_run(endpoint, n: int, **engine_kwargs):
-    """An engine over one offline stream of n frames (batches of 2 on one NullWorker), run to the end."""
+    """An engine over one offline stream of n frames (batches of 2 on one NoopRunner), run to the end."""
     cfg = engine_config([{"id": "s", "url": f"synthetic://shapes?size=64x64&fps=30&frames={n}", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 2}})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]}, **engine_kwargs)
+    eng = Engine(cfg, models={"classify": [NoopRunner()]}, **engine_kwargs)
     eng.start()
     try:
         assert wait_for(eng.finished, 60)
@@ -188,7 +188,7 @@ def _offline_run(endpoint, n: int, **engine_kwargs):
 
 
 def test_a_dead_output_thread_is_replaced_and_results_go_on(endpoint, monkeypatch):
-    from engine.output import OutputStage
+    from engine.executor.output_stage import OutputStage
     _crash_on_call(monkeypatch, OutputStage, "_emit_events", 3, "injected output-stage bug")
     n = 30
     eng = _offline_run(endpoint, n)
@@ -199,11 +199,11 @@ def test_a_dead_output_thread_is_replaced_and_results_go_on(endpoint, monkeypatc
 
 
 def test_a_dead_worker_thread_is_replaced(endpoint, monkeypatch):
-    from engine.worker_slots import WorkerSlots
+    from engine.executor.worker_slots import WorkerSlots
     # raised in the worker thread before the batch was handed on
     _crash_on_call(monkeypatch, WorkerSlots, "_completed", 2, "injected worker-thread bug")
     n = 30
-    eng = _offline_run(endpoint, n, worker_factories={"classify": NullWorker})
+    eng = _offline_run(endpoint, n, model_factories={"classify": NoopRunner})
     published, dropped, failed, in_flight = _counts(eng, "s")
     assert eng.pools["classify"].slots.rebuilds == 1 and eng.check_dead() is None
     assert set(failed) == {"model_error"} and 1 <= failed["model_error"] <= 2
@@ -240,8 +240,8 @@ def _control_cfg(endpoint):
 
 
 def test_a_control_socket_task_that_ends_is_restarted(endpoint, monkeypatch):
-    from engine import control
-    from engine.control import request
+    from engine.control import control_socket as control
+    from engine.control.control_socket import request
     real, calls = control.serve, []
 
     async def crash_first(engine, sock, stop):
@@ -251,7 +251,7 @@ def test_a_control_socket_task_that_ends_is_restarted(endpoint, monkeypatch):
         await real(engine, sock, stop)
     monkeypatch.setattr(control, "serve", crash_first)
     cfg = _control_cfg(endpoint)
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     replies = []
 
     def client():
@@ -264,12 +264,12 @@ def test_a_control_socket_task_that_ends_is_restarted(endpoint, monkeypatch):
 
 
 def test_a_control_socket_that_keeps_crashing_is_engine_death(endpoint, monkeypatch, caplog):
-    from engine import control
+    from engine.control import control_socket as control
 
     async def crash(engine, sock, stop):
         raise RuntimeError("injected control-plane bug")
     monkeypatch.setattr(control, "serve", crash)
-    eng = Engine(_control_cfg(endpoint), workers={"classify": [NullWorker()]})
+    eng = Engine(_control_cfg(endpoint), workers={"classify": [NoopRunner()]})
     with _SigintAfter(30), caplog.at_level(logging.ERROR):
         assert run(eng) == EXIT_DEAD
     assert re.search(r"control socket keeps crashing: control socket: 3 crashes within 60 s "
@@ -286,7 +286,7 @@ def test_a_control_socket_that_keeps_crashing_is_engine_death(endpoint, monkeypa
 def test_a_refused_add_leaves_nothing_behind(endpoint, url, error):
     cfg = engine_config([{"id": "s0", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
                         budget={"latency_ms": 1000}, view={"enabled": True, "port": 0})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     try:
         threads = threading.active_count()
@@ -304,13 +304,13 @@ def test_a_refused_add_leaves_nothing_behind(endpoint, url, error):
 
 
 def test_an_unexpected_error_while_adding_is_refused_and_leaves_nothing(endpoint, monkeypatch):
-    import engine.stream_table as st
+    import engine.core.stream_table as st
 
     def broken(*a, **k):
         raise ValueError("a source's own bug opening rtsp://u:hunter2@h/x?password=hunter3")
     monkeypatch.setattr(st, "open_source", broken)
     cfg = engine_config([], endpoint, control={"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     try:
         reply = eng.control({"op": "add_stream", "stream": {"id": "cam9", "url": "synthetic://shapes"}})
@@ -324,7 +324,7 @@ def test_an_unexpected_error_while_adding_is_refused_and_leaves_nothing(endpoint
 def test_a_bad_stream_in_the_config_is_a_configuration_error(endpoint):
     cfg = engine_config([{"id": "s0", "url": "synthetic://shapes?seed=-2"}], endpoint)
     with pytest.raises(ConfigError, match=r"streams.0 \(s0\): stream.url: synthetic parameter seed='-2'"):
-        Engine(cfg, workers={"classify": [NullWorker()]}).start()
+        Engine(cfg, models={"classify": [NoopRunner()]}).start()
 
 
 # -- 8. one rule for every listening socket; strong tokens; /metrics guarded ------------------------------
@@ -367,7 +367,7 @@ def test_every_listening_socket_on_a_network_needs_its_guard(patch, error):
     tree = {"streams": [{"id": "a", "url": "synthetic://shapes"}], "view": {"enabled": False}, **patch}
     if error is None or "streams" in patch:  # and the same URL at run time, through add_stream
         for s in patch.get("streams", []):
-            from engine.binds import stream_exposure_error
+            from engine.security.binds import stream_exposure_error
             assert (stream_exposure_error(s["url"], tree.get("security", {}).get("allow_insecure_bind", False))
                     is None) == (error is None)
     if error is None:
@@ -380,7 +380,7 @@ def test_every_listening_socket_on_a_network_needs_its_guard(patch, error):
 def test_random_tokens_of_16_bytes_always_pass():
     import secrets
 
-    from engine.binds import MIN_TOKEN_BITS, token_bits
+    from engine.security.binds import MIN_TOKEN_BITS, token_bits
     for make in (secrets.token_urlsafe, secrets.token_hex):
         assert min(token_bits(make(16)) for _ in range(3000)) >= MIN_TOKEN_BITS
 
@@ -390,7 +390,7 @@ def test_an_allowed_insecure_bind_warns_at_every_start(endpoint, caplog):
                         f"tcp://0.0.0.0:{free_port()}", security={"allow_insecure_bind": True})
     for _ in range(2):
         caplog.clear()
-        eng = Engine(cfg, workers={"classify": [NullWorker()]})
+        eng = Engine(cfg, models={"classify": [NoopRunner()]})
         with caplog.at_level(logging.WARNING, logger="vidar.engine"):
             eng.start()
         eng.stop()
@@ -402,7 +402,7 @@ def test_a_config_built_without_checks_is_refused_at_start(endpoint):
     cfg = engine_config([], endpoint, control={"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
     cfg = cfg.model_copy(update={"publish": cfg.publish.model_copy(update={"endpoint": "tcp://0.0.0.0:0"})})
     with pytest.raises(ConfigError, match=r"publish\.endpoint='tcp://0\.0\.0\.0:0'"):
-        Engine(cfg, workers={"classify": [NullWorker()]}).start()
+        Engine(cfg, models={"classify": [NoopRunner()]}).start()
 
 
 def _get(url, headers=None):
@@ -419,7 +419,7 @@ def test_metrics_check_the_host_or_the_token(endpoint, token):
     port = free_port()
     cfg = engine_config([{"id": "s0", "url": "synthetic://shapes?size=64x64&fps=30"}], endpoint,
                         metrics={"enabled": True, "port": port, "token": token})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     try:
         url = f"http://127.0.0.1:{port}/metrics"
@@ -439,18 +439,18 @@ def test_metrics_check_the_host_or_the_token(endpoint, token):
 
 def _metrics_engine(endpoint, monkeypatch, timeout_s: float):
     """A started engine with no stream, serving /metrics on a free port with this read deadline."""
-    from engine import metrics
+    from engine.publish import metrics
     monkeypatch.setattr(metrics._Handler, "timeout", timeout_s)
     port = free_port()
     cfg = engine_config([], endpoint, metrics={"enabled": True, "port": port},
                         control={"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     return eng, port
 
 
 def test_slow_metrics_clients_are_cut_off_and_capped(endpoint, monkeypatch):
-    from engine import metrics
+    from engine.publish import metrics
     eng, port = _metrics_engine(endpoint, monkeypatch, timeout_s=2.0)
     slow = []
     try:
@@ -482,7 +482,7 @@ def test_frame_memory_is_capped_engine_wide(endpoint, clip48):
     cfg = engine_config([], endpoint, budget={"latency_ms": 1000}, control={"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"},
                         ring={"memory_mb": 1, "min_slots": 4, "max_slots": 5, "total_memory_mb": 6},
                         models={"classify": {"max_batch": 2}})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     budget = eng.table.frame_budget
     try:
@@ -516,7 +516,7 @@ def test_frame_memory_is_capped_engine_wide(endpoint, clip48):
 
 # -- 11. the README's CURVE snippet is a config that starts -----------------------------------------------
 def test_the_readme_curve_snippet_starts(tmp_path, monkeypatch, endpoint):
-    from engine.security import create_keys
+    from engine.security.keys import create_keys
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     block = readme.split("CURVE, in short:", 1)[1]
     snippet = re.search(r"```yaml\n(.*?)```", block, re.S).group(1)
@@ -530,7 +530,7 @@ def test_the_readme_curve_snippet_starts(tmp_path, monkeypatch, endpoint):
                  "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}})
     tree.setdefault("view", {})["port"] = 0
     cfg, _ = build_config(tree, cuda_available=True)
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     eng.stop()
 
@@ -548,14 +548,14 @@ def _vidar_run(tmp_path, limits):
            "status": {"interval_s": 30}, "control": {"endpoint": ctl}, "view": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.control.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
     return proc, ctl
 
 
 def _answers(ctl, timeout):
-    from engine.control import request
+    from engine.control.control_socket import request
     try:
         return request(ctl, {"op": "list"}, timeout=timeout)["ok"]
     except TimeoutError:
@@ -582,7 +582,7 @@ def test_connections_that_never_handshake_cannot_starve_the_control_socket(tmp_p
     """Raw TCP connections to the control port that never speak ZeroMQ, enough to take every descriptor
     under a limit of 88 (soft and hard: nothing to raise): the control socket answers again once ZeroMQ
     has closed them (binds.ZMQ_HANDSHAKE_MS), the engine runs on and exits 0 on Ctrl-C."""
-    from engine.binds import ZMQ_HANDSHAKE_MS as HANDSHAKE_MS
+    from engine.security.binds import ZMQ_HANDSHAKE_MS as HANDSHAKE_MS
     proc, ctl = _vidar_run(tmp_path, (88, 88))
     socks = []
     try:
@@ -609,10 +609,10 @@ def test_ring_memory_stays_within_its_reservation_across_size_changes():
     exceeds what it reserved in the engine's budget, and the reservation follows it down."""
     import numpy as np
 
-    from engine.accounting import Accounting
-    from engine.frame import FrameMeta
-    from engine.frame_budget import MB, FrameMemoryBudget
-    from engine.ring import FrameRing
+    from engine.frames.accounting import Accounting
+    from engine.frames.lifecycle import FrameMeta
+    from engine.frames.budget import MB, FrameMemoryBudget
+    from engine.frames.ring import FrameRing
     budget = FrameMemoryBudget(64 * MB)
     ring = FrameRing("s", live=True, accounting=Accounting("p"), memory_bytes=4 * MB, min_slots=4, max_slots=8,
                      max_frame_pixels=2048 * 2048, budget=budget)
@@ -637,24 +637,24 @@ def test_ring_memory_stays_within_its_reservation_across_size_changes():
 def test_an_add_whose_decoder_thread_cannot_start_is_undone(endpoint, monkeypatch):
     """Out of threads (RuntimeError: can't start new thread) after the stream was registered: the add is
     refused and undone (no entry, ring, view slot or reservation), and the id can be added again."""
-    from streams.runner import SourceRunner
+    from engine.frames.ingest import IngestThread
     cfg = engine_config([], endpoint, view={"enabled": True, "port": 0},
                         control={"enabled": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     eng.start()
     try:
-        real = SourceRunner.start
+        real = IngestThread.start
 
         def no_thread(self):
             raise RuntimeError("can't start new thread")
-        monkeypatch.setattr(SourceRunner, "start", no_thread)
+        monkeypatch.setattr(IngestThread, "start", no_thread)
         url = "synthetic://shapes?size=64x64&fps=30"
         reply = eng.control({"op": "add_stream", "stream": {"id": "cam9", "url": url}})
         assert reply["ok"] is False and "could not be started: RuntimeError: can't start new thread" in reply["error"]
         assert eng.streams == {} and eng.control({"op": "list"})["streams"] == {}
         assert "cam9" not in eng.pools["classify"].rings and not eng.view.known("cam9")
         assert eng.table.frame_budget.used_bytes() == 0
-        monkeypatch.setattr(SourceRunner, "start", real)
+        monkeypatch.setattr(IngestThread, "start", real)
         assert eng.control({"op": "add_stream", "stream": {"id": "cam9", "url": url}})["ok"]
         assert wait_for(lambda: eng.pools["classify"].acct.snapshot("cam9").published > 0, 20)
     finally:
@@ -694,8 +694,8 @@ def test_a_metrics_client_that_trickles_is_cut_at_the_deadline(endpoint, monkeyp
 def test_a_control_task_that_died_mid_request_answers_it_when_restarted(endpoint, monkeypatch):
     """The task dies between a request's recv and its reply (a REP socket then refuses every further recv):
     restarted, it answers that request with an error, and the next one normally."""
-    from engine import control
-    from engine.control import request
+    from engine.control import control_socket as control
+    from engine.control.control_socket import request
     real, calls = control.encode_reply, []
 
     def crash_once(reply):
@@ -705,7 +705,7 @@ def test_a_control_task_that_died_mid_request_answers_it_when_restarted(endpoint
         return real(reply)
     monkeypatch.setattr(control, "encode_reply", crash_once)
     cfg = _control_cfg(endpoint)
-    eng = Engine(cfg, workers={"classify": [NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner()]})
     replies = []
 
     def client():
@@ -732,7 +732,7 @@ def test_only_a_generated_metrics_token_is_printed(tmp_path, token, printed):
            "metrics": {"port": free_port(), "token": token}, "view": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "run", str(path)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert ("Authorization: Bearer" in r.stdout) is printed

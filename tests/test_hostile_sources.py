@@ -15,12 +15,12 @@ import psutil
 import pytest
 
 from engine.config import StreamConfig
-from engine.engine import Engine
+from engine.core.engine import Engine
 from engine.errors import ConfigError, SourceOpenError
-from engine.client import Subscriber
-from engine.workers.null import NullWorker
+from engine.publish.client import Subscriber
+from engine.models.noop import NoopRunner
 from streams import open_source, redact_url
-from streams.base import scheme_error
+from streams.urls import scheme_error
 from streams.pyav import FileSource
 from streams.synthetic import SyntheticSource
 from tests.conftest import decode_all, engine_config, free_port, wait_for, write_clip
@@ -113,7 +113,7 @@ def test_password_never_shown_in_replies_events_or_log(endpoint, caplog):
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=64x48&fps=10"}], endpoint,
                         source={"open_timeout_s": 0.5, "stall_timeout_s": 1, "reconnect_initial_s": 0.1,
                                 "reconnect_max_s": 0.2})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     url, secrets = _secrets_url(_refused_port())
     with caplog.at_level(logging.DEBUG), Subscriber(endpoint, ["event."]) as sub:
         eng.start()
@@ -138,7 +138,7 @@ def test_password_never_shown_in_replies_events_or_log(endpoint, caplog):
 
 
 def test_exception_texts_quoting_the_url_are_redacted(endpoint, caplog, monkeypatch):
-    """A source that crashes with the URL in its message (the runner's internal-error reason and its
+    """A source that crashes with the URL in its message (the ingest's internal-error reason and its
     logged traceback), and a control request that fails with one (control.py's internal-error reply)."""
     url, secrets = _secrets_url(_refused_port())
 
@@ -150,19 +150,19 @@ def test_exception_texts_quoting_the_url_are_redacted(endpoint, caplog, monkeypa
 
     monkeypatch.setattr("streams.pyav.NetworkSource.open", crash)
     cfg = engine_config([{"id": "cam", "url": url}], endpoint)
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     with caplog.at_level(logging.DEBUG), Subscriber(endpoint, ["event."]) as sub:
         eng.start()
         try:
             assert eng.publisher.wait_subscribers(1, 10)
             gate.set()
-            assert wait_for(lambda: eng.streams["cam"].runner.failed, 10)
+            assert wait_for(lambda: eng.streams["cam"].ingest.failed, 10)
             monkeypatch.setattr(eng, "describe", lambda: (_ for _ in ()).throw(ValueError(f"bad {url}")))
             reply = eng.control({"op": "list"})
             events = _events(sub, lambda ms: any(m["kind"] == "eos" for m in ms), timeout=10)
         finally:
             eng.stop()
-    reason = eng.streams["cam"].runner.end_reason
+    reason = eng.streams["cam"].ingest.end_reason
     assert reason.startswith("error: internal error: RuntimeError: could not parse rtsp://***@127.0.0.1"), reason
     assert reply["ok"] is False and "internal error: ValueError: bad rtsp://***@127.0.0.1" in reply["error"]
     assert "decoder thread crashed" in caplog.text and "Traceback" in caplog.text
@@ -263,7 +263,7 @@ def test_protocol_without_slashes_is_refused_at_once_against_a_silent_server(end
     "starting" against a server that accepts and never answers. Now add_stream refuses it in its reply,
     and nothing ever connects to the server."""
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=64x48&fps=10"}], endpoint)
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(8)  # accepts connections (the kernel does) and never answers
@@ -296,7 +296,7 @@ def _fifo_engine(endpoint, open_timeout_s=60.0, stall_timeout_s=60.0, mode="live
     decoder thread that a removal does not cancel stays blocked for the whole test."""
     cfg = engine_config([{"id": "base", "url": "synthetic://shapes?size=64x48&fps=10"}], endpoint,
                         source={"open_timeout_s": open_timeout_s, "stall_timeout_s": stall_timeout_s})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     return eng
 
@@ -351,12 +351,12 @@ def test_removed_stream_is_forgotten_only_once_its_decoder_thread_ended(tmp_path
         t0 = time.monotonic()
         _add_remove(eng, "fifo", str(fifo))
         entry = eng.table.get("fifo")
-        assert entry is not None and entry.runner.alive and entry.state == "removing"
+        assert entry is not None and entry.ingest.alive and entry.state == "removing"
         assert wait_for(lambda: entry.eos_sent, 5)
         time.sleep(0.3)
-        assert entry.runner.alive and eng.table.get("fifo") is entry  # eos out, thread alive: still held
+        assert entry.ingest.alive and eng.table.get("fifo") is entry  # eos out, thread alive: still held
         assert wait_for(lambda: eng.table.get("fifo") is None, 10)
-        assert not entry.runner.alive and time.monotonic() - t0 >= 1.4
+        assert not entry.ingest.alive and time.monotonic() - t0 >= 1.4
         assert eng.table.stuck_decoders == 0
 
         eng.table.reap_bound_s = 0.3  # now one that outlives the bound
@@ -365,11 +365,11 @@ def test_removed_stream_is_forgotten_only_once_its_decoder_thread_ended(tmp_path
             _add_remove(eng, "fifo", str(fifo))
             entry = eng.table.get("fifo")
             assert wait_for(lambda: eng.table.get("fifo") is None, 5)
-        assert entry.runner.alive and eng.table.stuck_decoders == 1
+        assert entry.ingest.alive and eng.table.stuck_decoders == 1
         assert "stream fifo: decoder thread still running" in caplog.text
         from prometheus_client import generate_latest
         assert "vidar_decoder_threads_stuck_total 1.0" in generate_latest(eng.metrics.registry).decode()
-        assert entry.runner.join(10)  # it ends by itself (its open timeout)
+        assert entry.ingest.join(10)  # it ends by itself (its open timeout)
     finally:
         eng.stop()
 
@@ -405,7 +405,7 @@ def test_fifo_with_a_writer_is_decoded(tmp_path, endpoint, fmt):
         writer.join(5)
         snap = eng.pools["classify"].acct.snapshot("fifo")
         assert snap.published == n and snap.ingested == n
-        assert eng.streams["fifo"].runner.end_reason == "end of stream"
+        assert eng.streams["fifo"].ingest.end_reason == "end of stream"
     finally:
         eng.stop()
 
@@ -428,11 +428,11 @@ def test_fifo_whose_writer_stalls_is_removed_at_once(tmp_path, endpoint):
         assert wait_for(lambda: published() > 0, 10)
         seen = []  # offline: no pacing; once the count stops moving, the decoder waits in a read of the pipe
         assert wait_for(lambda: seen.append(published()) or len(seen) > 5 and seen[-1] == seen[-6], 10)
-        runner = eng.streams["fifo"].runner
-        assert runner.alive and 0 < published() < 300
+        ingest = eng.streams["fifo"].ingest
+        assert ingest.alive and 0 < published() < 300
         t0 = time.monotonic()
         assert eng.control({"op": "remove_stream", "stream": "fifo"}) == {"ok": True}
-        assert runner.join(5)  # removal cancels the read: not the 30 s read timeout
+        assert ingest.join(5)  # removal cancels the read: not the 30 s read timeout
         assert wait_for(lambda: eng.table.get("fifo") is None, 5)
         assert time.monotonic() - t0 < 10
     finally:
@@ -451,8 +451,8 @@ def test_fifo_whose_writer_stalls_ends_after_the_read_timeout(tmp_path, endpoint
         _feed(fifo, clip.read_bytes(), stall_after=len(clip.read_bytes()) // 2, stalled=stalled, release=release)
         assert eng.control({"op": "add_stream", "stream": {"id": "fifo", "url": str(fifo)}})["ok"]
         assert wait_for(lambda: eng.table.get("fifo").eos_queued, 20)
-        runner = eng.streams["fifo"].runner
-        assert runner.end_reason == "ended early: no data from the pipe for 0.5 s", runner.end_reason
+        ingest = eng.streams["fifo"].ingest
+        assert ingest.end_reason == "ended early: no data from the pipe for 0.5 s", ingest.end_reason
         assert eng.pools["classify"].acct.snapshot("fifo").published > 0
     finally:
         release.set()
@@ -466,7 +466,7 @@ def test_fifo_with_no_writer_fails_after_the_open_timeout(tmp_path, endpoint):
     try:
         assert eng.control({"op": "add_stream", "stream": {"id": "fifo", "url": str(fifo)}})["ok"]
         assert wait_for(lambda: eng.table.get("fifo").eos_queued, 10)
-        reason = eng.streams["fifo"].runner.end_reason
+        reason = eng.streams["fifo"].ingest.end_reason
         assert re.fullmatch(r"error: cannot open '.*/p': no data from the pipe within 0.5 s \(no writer\?\)", reason)
     finally:
         eng.stop()

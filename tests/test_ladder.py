@@ -5,11 +5,11 @@ import time
 
 import pytest
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from engine.config import QosConfig
-from engine.engine import Engine
-from engine.ladder import TICK_S, Ladder, Rung, rungs
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.sched.ladder import TICK_S, Ladder, Rung, rungs
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
 
 Q = QosConfig(degrade_drop_share=0.2, degrade_after_s=2.0, restore_load=0.7, restore_after_s=3.0)
@@ -106,14 +106,14 @@ def test_real_overload_degrades_to_regular_sampling_and_climbs_back(endpoint):
     """Two 30 fps streams into a worker with capacity for 30 frames/s (2x overload): the ladder steps
     down to sampling 1 frame in k, so the published frames of each stream become regular; nothing is
     late; when the load ends (the worker becomes fast), it climbs back to every frame. Each step is an
-    event on every stream and shows in the metric. The worker sleeps (NullWorker), so its capacity
+    event on every stream and shows in the metric. The worker sleeps (NoopRunner), so its capacity
     does not depend on this machine's speed."""
     budget_ms = 400
     streams = [{"id": f"s{i}", "url": "synthetic://shapes?size=160x120&fps=30", "max_interval": 3} for i in range(2)]
     cfg = engine_config(streams, endpoint, budget={"latency_ms": budget_ms}, models={"classify": {"max_batch": 2}},
                         publish={"hwm": 100_000},
                         qos={"degrade_after_s": 1.0, "restore_after_s": 1.5, "degrade_drop_share": 0.2})
-    worker = NullWorker(per_frame_s=1 / 30)
+    worker = NoopRunner(per_frame_s=1 / 30)
     sub = Subscriber(endpoint, ["classify.", "event."])
     results, events, late = {"s0": [], "s1": []}, [], []
     stop = threading.Event()
@@ -131,7 +131,7 @@ def test_real_overload_degrades_to_regular_sampling_and_climbs_back(endpoint):
                     late.append(m["latency_ms"])
     reader = threading.Thread(target=read)
     reader.start()
-    eng = Engine(cfg, workers={"classify": worker})
+    eng = Engine(cfg, models={"classify": worker})
     eng.start()
     pool = eng.pools["classify"]
     try:
@@ -177,7 +177,7 @@ def test_real_overload_degrades_to_regular_sampling_and_climbs_back(endpoint):
 def test_ladder_off_never_samples(endpoint, ladder):
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=160x120&fps=30"}], endpoint,
                         budget={"latency_ms": 300}, qos={"ladder": ladder, "degrade_after_s": 0.5})
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=1 / 10)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=1 / 10)})
     eng.start()
     try:
         time.sleep(3)

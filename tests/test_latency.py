@@ -12,12 +12,12 @@ import time
 import av
 import pytest
 
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 from streams import open_source
 from streams.base import DecodedFrame, Source
 from streams.pyav import FileSource
-from streams.runner import SourceRunner
+from engine.frames.ingest import IngestThread
 from tests.conftest import engine_config, free_port, write_clip
 from tests.rtp_tap import RtpTap
 from tests.test_e2e import Collector
@@ -83,7 +83,7 @@ def test_decode_time_excludes_the_wait_and_arrival_is_the_packets(kind, tmp_path
             assert n_handed == k + 1, f"frame {frame.pts:.3f} s held back by {n_handed - k - 1} packets"
 
 
-# -- the runner: capture time and deadline ------------------------------------------------------------
+# -- the ingest: capture time and deadline ------------------------------------------------------------
 class _ListSource(Source):
     """Yields the given frames once, optionally sleeping before some (a slow decode)."""
 
@@ -128,14 +128,14 @@ def test_runner_counts_network_deadlines_from_packet_arrival():
     now_mono, now_wall = time.monotonic(), time.time()
     arrivals = [(now_mono - 0.5 + k * 0.01, now_wall - 0.5 + k * 0.01) for k in range(5)]  # arrived a while ago
     ring = _Ring()
-    runner = SourceRunner(_ListSource(_frames(5, 1 / FPS, arrivals), network=True), ring, live=True, loop=False,
+    ingest = IngestThread(_ListSource(_frames(5, 1 / FPS, arrivals), network=True), ring, live=True, loop=False,
                           budget_s=BUDGET_S, emit=lambda *a: None, reconnect_initial_s=5)
-    runner.start()
+    ingest.start()
     t_end = time.monotonic() + 5
     while len(ring.metas) < 5 and time.monotonic() < t_end:
         ring.wrote.wait(0.1)
-    runner.stop()
-    assert runner.join(5)
+    ingest.stop()
+    assert ingest.join(5)
     assert [m.t_capture for m in ring.metas] == [w for _, w in arrivals]
     assert [m.deadline for m in ring.metas] == [m + BUDGET_S for m, _ in arrivals]
 
@@ -145,9 +145,9 @@ def test_runner_counts_paced_deadlines_from_when_frames_were_due():
     # frame 3 decodes two frame intervals late: it is late, and its deadline must say so
     ring = _Ring()
     src = _ListSource(_frames(6, 1 / FPS), network=False, fps=FPS, slow={3: 2 / FPS})
-    runner = SourceRunner(src, ring, live=True, loop=False, budget_s=BUDGET_S, emit=lambda *a: None)
-    runner.start()
-    assert runner.join(5) and len(ring.metas) == 6
+    ingest = IngestThread(src, ring, live=True, loop=False, budget_s=BUDGET_S, emit=lambda *a: None)
+    ingest.start()
+    assert ingest.join(5) and len(ring.metas) == 6
     d0, c0 = ring.metas[0].deadline, ring.metas[0].t_capture
     for k, m in enumerate(ring.metas):
         assert m.deadline - d0 == pytest.approx(k / FPS, abs=1e-6)  # due time, not "now after sleeping"
@@ -175,7 +175,7 @@ def _live_engine(url, endpoint, **sections):
     cfg = engine_config([{"id": "cam", "url": url, "mode": "live"}], endpoint, budget={"latency_ms": BUDGET_S * 1e3},
                         models={"classify": {"max_batch": 2}}, publish={"min_subscribers": 1}, **sections)
     col = Collector(endpoint, ["cam"])
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=MODEL_S)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=MODEL_S)})
     eng.start()
     return eng, col
 
@@ -199,7 +199,7 @@ def test_live_rtsp_publishes_nearly_every_frame_within_a_true_budget(clip10s, en
             eng, col = _live_engine(f"rtsp://127.0.0.1:{tap.port}/test", endpoint,
                                     source={"reconnect_initial_s": 30, "backoff_reset_after_s": 60})
             try:
-                snap = _published_fraction(eng, "cam", lambda: eng.streams["cam"].runner.reconnects >= 1, 40)
+                snap = _published_fraction(eng, "cam", lambda: eng.streams["cam"].ingest.reconnects >= 1, 40)
             finally:
                 eng.stop()
             msgs = col.wait(10)
@@ -227,7 +227,7 @@ def test_live_rtsp_publishes_nearly_every_frame_within_a_true_budget(clip10s, en
 def test_paced_live_file_publishes_nearly_every_frame(clip10s, endpoint):
     eng, col = _live_engine(str(clip10s), endpoint)
     try:
-        snap = _published_fraction(eng, "cam", lambda: not eng.streams["cam"].runner.alive, 40)
+        snap = _published_fraction(eng, "cam", lambda: not eng.streams["cam"].ingest.alive, 40)
     finally:
         eng.stop()
     col.wait(10)

@@ -1,4 +1,4 @@
-"""engine.memory: the malloc arena cap takes effect (alone and through Engine.start), each check
+"""engine.util.memory: the malloc arena cap takes effect (alone and through Engine.start), each check
 paired with the same run uncapped so it can fail.
 
 Each case runs in a fresh subprocess: glibc reads its arena cap once per process, so the pytest
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.memory import _LIBC, heap_bytes, heap_stats
+from engine.util.memory import _LIBC, heap_bytes, heap_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 glibc = pytest.mark.skipif(_LIBC is None, reason="needs glibc's malloc")
@@ -34,7 +34,7 @@ threads = [threading.Thread(target=work) for _ in range(12)]
 
 ALONE = """
 import json, sys
-from engine.memory import arena_count, limit_malloc_arenas
+from engine.util.memory import arena_count, limit_malloc_arenas
 applied = limit_malloc_arenas(int(sys.argv[1]))
 """ + THREADS + """
 print(json.dumps({"applied": applied, "arenas": arena_count()}))
@@ -44,9 +44,9 @@ print(json.dumps({"applied": applied, "arenas": arena_count()}))
 THROUGH_ENGINE = """
 import json, sys
 from engine.config import build_config
-from engine.engine import Engine
-from engine.memory import arena_count
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.util.memory import arena_count
+from engine.models.noop import NoopRunner
 import socket
 with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
@@ -54,7 +54,7 @@ cfg, _ = build_config({"streams": [{"id": "a", "url": "synthetic://shapes?size=6
                                     "mode": "offline"}],
                        "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False},
                        "control": {"enabled": False}, "malloc_arenas": int(sys.argv[1])}, cuda_available=True)
-eng = Engine(cfg, workers={"classify": NullWorker()})
+eng = Engine(cfg, models={"classify": NoopRunner()})
 eng.start()
 """ + THREADS + """
 n = arena_count()

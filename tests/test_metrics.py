@@ -6,9 +6,9 @@ import urllib.request
 
 import pytest
 
-from engine.engine import Engine
-from engine.runtime import StatusPrinter
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.control.runtime import StatusPrinter
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
 
 
@@ -22,7 +22,7 @@ def test_metrics_endpoint_matches_accounting(endpoint):
     port = free_port()
     cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=30", "mode": "offline"}],
                         endpoint, metrics={"enabled": True, "port": port})
-    eng = Engine(cfg, workers={"classify": NullWorker(per_frame_s=0.002)})
+    eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.002)})
     eng.start()
     t_end = time.monotonic() + 30
     while not eng.finished() and time.monotonic() < t_end:
@@ -45,13 +45,13 @@ def test_metrics_endpoint_matches_accounting(endpoint):
 
 def test_malloc_gauges_follow_the_heap(endpoint):
     """vidar_malloc_bytes{state=in_use} follows allocations; free and mmapped are served too."""
-    from engine.memory import heap_bytes
+    from engine.util.memory import heap_bytes
     if heap_bytes() is None:
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
     port = free_port()
     cfg = engine_config([{"id": "m1", "url": "synthetic://shapes?size=96x64&fps=30&frames=3", "mode": "offline"}],
                         endpoint, metrics={"enabled": True, "port": port})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     try:
         before = scrape(port)

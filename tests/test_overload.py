@@ -9,9 +9,9 @@ import time
 import psutil
 import zmq
 
-from engine.client import Subscriber
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.publish.client import Subscriber
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
 
 
@@ -22,7 +22,7 @@ def test_twice_the_capacity_for_30_s(endpoint):
     streams = [{"id": f"s{i}", "url": "synthetic://shapes?size=160x120&fps=30"} for i in range(4)]
     cfg = engine_config(streams, endpoint, budget={"latency_ms": budget_ms}, models={"classify": {"max_batch": 4}},
                         publish={"hwm": 100_000}, qos={"ladder": False})  # the scheduler alone
-    worker = NullWorker(per_frame_s=1 / 60)  # 60 frames/s of capacity against 120 offered
+    worker = NoopRunner(per_frame_s=1 / 60)  # 60 frames/s of capacity against 120 offered
     sub = Subscriber(endpoint, ["classify."])
     late, got, latency = [], {f"s{i}": 0 for i in range(4)}, []
 
@@ -37,7 +37,7 @@ def test_twice_the_capacity_for_30_s(endpoint):
                 late.append(m["latency_ms"])
     reader = threading.Thread(target=read)
     reader.start()
-    eng = Engine(cfg, workers={"classify": worker})
+    eng = Engine(cfg, models={"classify": worker})
     eng.start()
     rss = []
     for _ in range(4):
@@ -65,11 +65,11 @@ def test_twice_the_capacity_for_30_s(endpoint):
 def test_slow_and_absent_subscribers_change_nothing_upstream(endpoint):
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=160x120&fps=30"}], endpoint,
                         budget={"latency_ms": 500}, publish={"hwm": 20})
-    class Padded(NullWorker):  # 20 KB results, so ZeroMQ's queues (not the kernel's buffers) fill
+    class Padded(NoopRunner):  # 20 KB results, so ZeroMQ's queues (not the kernel's buffers) fill
         def infer(self, inputs):
             return [{"pad": b"x" * 20_000} for _ in super().infer(inputs)]
     worker = Padded(per_frame_s=0.002)
-    eng = Engine(cfg, workers={"classify": worker})
+    eng = Engine(cfg, models={"classify": worker})
     eng.start()
 
     def rates(seconds):

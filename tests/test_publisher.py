@@ -9,12 +9,12 @@ import msgpack
 import pytest
 import zmq
 
-from engine.accounting import Accounting
-from engine.client import Subscriber
+from engine.frames.accounting import Accounting
+from engine.publish.client import Subscriber
 from engine.config import PublishConfig
-from engine.frame import FrameMeta
-from engine.publisher import EVENTS_PER_STREAM, Publisher
-from engine.schema import SCHEMA_VERSION
+from engine.frames.lifecycle import FrameMeta
+from engine.publish.publisher import EVENTS_PER_STREAM, Publisher
+from engine.publish.schema import SCHEMA_VERSION
 
 
 def meta(seq, live=False, deadline=None, stream="cam1"):
@@ -79,7 +79,7 @@ def test_a_wall_clock_step_never_shows_as_latency(endpoint, monkeypatch):
     check carrying latency_ms of 2.8 s against a 0.4 s budget) never shows as latency."""
     import types
 
-    import engine.schema
+    import engine.publish.schema
     real = time.time
     pub = Publisher(PublishConfig(endpoint=endpoint))
     acct = Accounting("classify")
@@ -87,7 +87,7 @@ def test_a_wall_clock_step_never_shows_as_latency(endpoint, monkeypatch):
     with connected(pub, endpoint) as sub:
         t0 = time.monotonic()
         m = FrameMeta("cam1", 0, 0.0, real(), deadline=t0 + 1.0, t_capture_mono=t0)  # a budget of 1 s
-        monkeypatch.setattr(engine.schema, "time", types.SimpleNamespace(time=lambda: real() + 5.0))  # +5 s
+        monkeypatch.setattr(engine.publish.schema, "time", types.SimpleNamespace(time=lambda: real() + 5.0))  # +5 s
         submit(pub, acct, m)
         r = sub.recv(5)
     pub.close()

@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port, write_clip
 from tests.tcp_proxy import FaultProxy
 from tests.test_rtsp import SERVER, SYSTEM_PY, require_server
@@ -42,7 +42,7 @@ def engine_with(url_or_urls, endpoint, **source):
                {"id": "other", "url": "synthetic://shapes?size=64x64&fps=30", "mode": "live"}]
     cfg = engine_config(streams, endpoint, budget={"latency_ms": 1000},
                         source={"open_timeout_s": 2, "stall_timeout_s": 2, **source})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     return eng
 
@@ -61,13 +61,13 @@ def wait(pred, timeout):
 def test_server_killed_and_restarted(server, endpoint):
     port, procs = server
     eng = engine_with(f"rtsp://user:hunter2@127.0.0.1:{port}/test", endpoint)
-    runner = eng.streams["cam"].runner
+    ingest = eng.streams["cam"].ingest
     try:
         assert wait(lambda: published(eng, "cam") > 10, 15)
         procs[0].kill()
         procs[0].wait(5)
         t_kill = time.monotonic()
-        assert wait(lambda: runner.state == "reconnecting", 2 + 1)  # stall_timeout_s + 1 s
+        assert wait(lambda: ingest.state == "reconnecting", 2 + 1)  # stall_timeout_s + 1 s
         detected = time.monotonic() - t_kill
         other_before = published(eng, "other")
         time.sleep(max(0.0, 10 - (time.monotonic() - t_kill)))
@@ -76,9 +76,9 @@ def test_server_killed_and_restarted(server, endpoint):
         seen = published(eng, "cam")
         assert wait(lambda: published(eng, "cam") > seen + 5, 16 + 2)  # the backoff step then (~16 s) + 2 s
         resumed = time.monotonic() - t_back
-        assert runner.reconnects == 1
+        assert ingest.reconnects == 1
         assert published(eng, "other") - other_before > 25 * 10  # ~30 fps all along
-        gaps = [b - a for a, b in zip(runner.attempts, list(runner.attempts)[1:])]
+        gaps = [b - a for a, b in zip(ingest.attempts, list(ingest.attempts)[1:])]
         assert gaps and max(gaps) <= 30 * 1.2 + 2
     finally:
         eng.stop()
@@ -92,17 +92,17 @@ def test_blackhole_mid_stream_and_at_connect(server, endpoint):
     with FaultProxy("127.0.0.1", port).start() as proxy:
         eng = engine_with(f"rtsp://127.0.0.1:{proxy.port}/test", endpoint, reconnect_initial_s=0.5,
                           reconnect_max_s=2)
-        runner = eng.streams["cam"].runner
+        ingest = eng.streams["cam"].ingest
         try:
             assert wait(lambda: published(eng, "cam") > 10, 15)
             threads = threading.active_count()
             proxy.set_mode("blackhole")  # the server hangs: no byte either way, no error
             t0 = time.monotonic()
-            assert wait(lambda: runner.state == "reconnecting", 2 * 2 + 2)
+            assert wait(lambda: ingest.state == "reconnecting", 2 * 2 + 2)
             stalled_after = time.monotonic() - t0
-            n0 = len(runner.attempts)
+            n0 = len(ingest.attempts)
             time.sleep(8)  # connects into the black hole time out (open_timeout_s), paced by the backoff
-            attempts = list(runner.attempts)[n0:]
+            attempts = list(ingest.attempts)[n0:]
             assert 2 <= len(attempts) <= 5
             proxy.set_mode("pass")
             seen = published(eng, "cam")
@@ -120,22 +120,22 @@ def test_port_closed_backs_off_to_the_cap_quietly(endpoint, caplog):
     cap, window = 8.0, 24.0
     cfg = engine_config([{"id": "cam", "url": f"rtsp://admin:s3cret@127.0.0.1:{port}/x", "mode": "live"}], endpoint,
                         source={"reconnect_max_s": cap})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     proc = psutil.Process()
     with caplog.at_level(logging.INFO):
         eng.start()
-        runner = eng.streams["cam"].runner
+        ingest = eng.streams["cam"].ingest
         cpu0 = sum(proc.cpu_times()[:2])
         time.sleep(window)
         cpu = sum(proc.cpu_times()[:2]) - cpu0
         eng.stop()
-    gaps = [b - a for a, b in zip(runner.attempts, list(runner.attempts)[1:])]
+    gaps = [b - a for a, b in zip(ingest.attempts, list(ingest.attempts)[1:])]
     assert gaps[0] < 1.0  # the first retry within 1 s
-    pauses = list(runner.backoff)
+    pauses = list(ingest.backoff)
     assert cap * 0.8 <= max(pauses) <= cap * 1.2  # the backoff reached the cap (with jitter)
     assert all(b >= a * 1.3 or b >= cap * 0.8 for a, b in zip(pauses, pauses[1:]))  # exponential until the cap
     assert all(g <= p + 0.5 for g, p in zip(gaps, pauses))  # attempts follow the schedule
-    assert len(runner.attempts) <= 8  # 0, 0.5, 1.5, 3.5, 7.5, 15.5, 23.5 s (+-20 % jitter)
+    assert len(ingest.attempts) <= 8  # 0, 0.5, 1.5, 3.5, 7.5, 15.5, 23.5 s (+-20 % jitter)
     assert cpu < 0.1 * window  # idle while waiting
     lines = [r for r in caplog.records if "cam" in r.getMessage() and "connect" in r.getMessage()]
     assert len(lines) <= 2  # aggregated (one line per 30 s): not a line per attempt
@@ -154,19 +154,19 @@ def test_server_that_ends_every_session_at_once_is_retried_with_growing_pauses(t
     initial, cap = 0.2, 3.2
     with caplog.at_level(logging.INFO):
         eng = engine_with(f"rtsp://127.0.0.1:{port}/test", endpoint, reconnect_initial_s=initial, reconnect_max_s=cap)
-        runner = eng.streams["cam"].runner
+        ingest = eng.streams["cam"].ingest
         try:
-            assert wait(lambda: len(runner.attempts) >= 7, 40), list(runner.attempts)
+            assert wait(lambda: len(ingest.attempts) >= 7, 40), list(ingest.attempts)
         finally:
             eng.stop()
             server.terminate()
             server.wait(5)
-    attempts = list(runner.attempts)
+    attempts = list(ingest.attempts)
     gaps = [b - a for a, b in zip(attempts, attempts[1:])]
-    assert runner.reconnects >= 6  # every attempt connected: these are ended sessions, not refusals
+    assert ingest.reconnects >= 6  # every attempt connected: these are ended sessions, not refusals
     # the pauses double (0.2, 0.4, ... 3.2): gaps (open + session + pause) grow by at least half of that
     assert gaps[4] - gaps[0] >= 0.5 * (2 ** 4 - 1) * initial, [round(g, 2) for g in gaps]
-    pauses = list(runner.backoff)
+    pauses = list(ingest.backoff)
     assert all(p <= cap for p in pauses) and max(pauses) >= 0.8 * cap
     assert all(b >= 1.6 * a or b >= 0.8 * cap for a, b in zip(pauses, pauses[1:]))
     assert all(p <= g for p, g in zip(pauses, gaps))  # attempts follow the schedule

@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from engine.accounting import Accounting
+from engine.frames.accounting import Accounting
 from engine.errors import SourceError
-from engine.frame import FrameMeta
-from engine.ring import FrameRing, slots_for
+from engine.frames.lifecycle import FrameMeta
+from engine.frames.ring import FrameRing, slots_for
 
 
 def ring(live=True, slots=3, max_pixels=10**8):

@@ -14,8 +14,8 @@ import pytest
 
 from tests.conftest import engine_config, free_port, write_clip
 from tests.test_e2e import Collector
-from engine.engine import Engine
-from engine.workers.null import NullWorker
+from engine.core.engine import Engine
+from engine.models.noop import NoopRunner
 
 SERVER = Path(__file__).with_name("rtsp_server.py")
 SYSTEM_PY = "/usr/bin/python3"
@@ -87,13 +87,13 @@ def test_rtsp_server_gone_is_a_disconnect_not_an_eos(rtsp_server, tmp_path, endp
     url = rtsp_server("--file", str(clip))
     cfg = engine_config([{"id": "cam1", "url": url, "mode": "live"}], endpoint,
                         budget={"latency_ms": 500}, source={"reconnect_initial_s": 0.2})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
-    runner = eng.streams["cam1"].runner
+    ingest = eng.streams["cam1"].ingest
     t_end = time.monotonic() + 15
-    while runner.reconnects < 2 and time.monotonic() < t_end:
+    while ingest.reconnects < 2 and time.monotonic() < t_end:
         time.sleep(0.1)
     published = eng.pools["classify"].acct.snapshot("cam1").published
     eng.stop()
-    assert runner.reconnects >= 2
+    assert ingest.reconnects >= 2
     assert published >= 40  # frames from at least two sessions, seq continuing across them

@@ -9,11 +9,11 @@ import torch
 from pycocotools import mask as mask_utils
 
 from engine.errors import ConfigError, WeightsError
-from engine.workers.sam2_model import build_sam2_model, preprocess
-from engine.workers.sam2_tracker import DecoderStage, Prompt, PromptError, encode, render
+from engine.models.sam2_model import build_sam2_model, preprocess
+from engine.models.sam2_tracker import TrackingStage, Prompt, PromptError, encode, render
 from tests.conftest import decode_all, engine_config, write_clip
 from tests.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
-from engine.engine import Engine
+from engine.core.engine import Engine
 from tests.test_e2e import Collector, run_engine
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
@@ -49,7 +49,7 @@ def prompt(obj_id, p):
 
 def stream_masks(model, frames_by_stream, prompts_at):
     """Run the decoder stage over streams in lockstep; prompts_at: {(stream, frame): {obj: prompt}}."""
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     for s in frames_by_stream:
         stage.add_stream(s)
     n = max(len(f) for f in frames_by_stream.values())
@@ -105,7 +105,7 @@ def test_object_added_mid_stream(model, ckpt, clips, tmp_path):
 def test_memory_bank_is_bounded(model, clips):
     frames = decode_all(clips[0])
     feats = [feats_of(model, f) for f in frames]  # encoded once, played 3 times (63 steps): the bank is the stage's
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     stage.add_stream("a")
     stage.add_object("a", prompt(1, PROMPTS[1]))
     sizes = []
@@ -171,7 +171,7 @@ def test_live_sam2_drops_before_encoding_and_keeps_tracking(model, ckpt, endpoin
 def sam2_step_seconds(model, reps=3):
     """Median seconds of one whole SAM 2 step here: preprocess, encode, track one object."""
     frame = torch.from_numpy(decode_all_synthetic())
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     stage.add_stream("w")
     stage.add_object("w", Prompt(1, box=[10, 10, 120, 100]))
     times = []
@@ -195,7 +195,7 @@ def decode_all_synthetic():
     (Prompt(1), "give a box or at least one point"),
 ])
 def test_bad_prompts(model, p, message):
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     stage.add_stream("a")
     stage._streams["a"].size = (240, 320)
     with pytest.raises(PromptError, match=message):
@@ -203,7 +203,7 @@ def test_bad_prompts(model, p, message):
 
 
 def test_unknown_stream_and_object(model):
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     with pytest.raises(PromptError, match=r"unknown stream 'nope'"):
         stage.add_object("nope", Prompt(1, box=[0, 0, 5, 5]))
     stage.add_stream("a")
@@ -230,7 +230,7 @@ def test_checkpoint_errors(ckpt, tmp_path):
 
 def test_both_pools_on_one_stream(ckpt, endpoint):
     """A stream feeds the classifier and the tracker: each pool gets every frame, one eos after both."""
-    from engine.workers.null import NullWorker
+    from engine.models.noop import NoopRunner
     n = 8
     cfg = engine_config([{"id": "both", "url": f"synthetic://shapes?size=160x120&fps=30&frames={n}",
                           "mode": "offline"}], endpoint,
@@ -239,7 +239,7 @@ def test_both_pools_on_one_stream(ckpt, endpoint):
                         publish={"min_subscribers": 1})
     col = Collector(endpoint, ["both"])
     col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.")
-    eng, finished = run_engine(cfg, workers={"classify": NullWorker()}, timeout=60)
+    eng, finished = run_engine(cfg, models={"classify": NoopRunner()}, timeout=60)
     msgs = col.wait()
     assert finished
     for kind in ("classify", "sam2"):
@@ -264,7 +264,7 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
     (its result says so, it is counted), its bank is left exactly as it was, the other stream's object is
     tracked; after max_attempts failures in a row the object is dropped with an event."""
     frames = decode_all(clips[0])
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     for s in ("a", "b"):
         stage.add_stream(s)
         stage.add_object(s, prompt(1, PROMPTS[1]))
@@ -272,13 +272,13 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
         stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
     bank_b = stage._streams["b"].objects[1]
     before = (dict(bank_b.cond), list(bank_b.maskmems), list(bank_b.ptrs))
-    real = DecoderStage._track_batch
+    real = TrackingStage._track_batch
 
     def broken_for_b(self, items, gathered):
         if any(d.stream == "b" for d in items):
             raise RuntimeError("injected failure in b's object")
         return real(self, items, gathered)
-    monkeypatch.setattr(DecoderStage, "_track_batch", broken_for_b)
+    monkeypatch.setattr(TrackingStage, "_track_batch", broken_for_b)
     f = frames[3]
     out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
     assert "logits" in out[0][0] and out[1][0] == {"id": 1, "error": "RuntimeError: injected failure in b's object"}
@@ -290,7 +290,7 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
         out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
         assert out[1] == [{"id": 1, "error": "RuntimeError: injected failure in b's object"}]
         assert stage.object_failures == {"b": k} and (1 in stage._streams["b"].objects) == (k < 3)
-    monkeypatch.setattr(DecoderStage, "_track_batch", real)  # b's object is gone, not merely failing
+    monkeypatch.setattr(TrackingStage, "_track_batch", real)  # b's object is gone, not merely failing
     f = frames[6]
     out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])
     assert [o["id"] for o in out[0]] == [1] and out[1] == [] and stage.object_failures == {"b": 3}
@@ -300,10 +300,10 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
 
 def test_a_prompt_that_fails_to_start_never_leaves_an_empty_bank(model, clips, monkeypatch):
     frames = decode_all(clips[0])
-    stage = DecoderStage(model)
+    stage = TrackingStage(model)
     stage.add_stream("a")
     stage.add_object("a", prompt(1, PROMPTS[1]))
-    monkeypatch.setattr(DecoderStage, "_init_object", lambda self, d, size: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(TrackingStage, "_init_object", lambda self, d, size: (_ for _ in ()).throw(RuntimeError("boom")))
     for k, f in enumerate(frames[:3]):
         out = stage.step([("a", feats_of(model, f), f.shape[:2])])
         assert out == [[{"id": 1, "error": "RuntimeError: boom"}]]
@@ -313,7 +313,7 @@ def test_a_prompt_that_fails_to_start_never_leaves_an_empty_bank(model, clips, m
 
 
 def test_object_admission_limit(model):
-    stage = DecoderStage(model, max_objects=2)
+    stage = TrackingStage(model, max_objects=2)
     stage.add_stream("a")
     stage.add_object("a", Prompt(1, box=[0, 0, 5, 5]))
     stage.add_object("a", Prompt(2, box=[0, 0, 5, 5]))
@@ -389,7 +389,7 @@ def test_a_threads_intra_op_count_sticks_when_another_thread_sets_another():
     """torch re-applies the count last set by ANY thread on a thread's first op: the output thread's
     decoder_threads must survive an encoder thread setting its own count afterwards."""
     import threading
-    from engine.threads import set_intra_op_threads
+    from engine.util.threads import set_intra_op_threads
     seen, first_set, other_set = {}, threading.Event(), threading.Event()
 
     def decoder_thread():
@@ -415,7 +415,7 @@ def test_a_threads_intra_op_count_sticks_when_another_thread_sets_another():
 @pytest.mark.timeout(120)
 def test_thread_defaults_fill_only_unset_keys(ckpt):
     from engine.config import Sam2Config
-    from engine.workers.sam2 import build_pool, sam2_thread_defaults
+    from engine.models.sam2 import build_pool, sam2_thread_defaults
     assert sam2_thread_defaults(8, "cuda") == {"encoders": 1, "threads": None, "decoder_threads": None}
     for cores in (1, 2, 4, 16):
         d = sam2_thread_defaults(cores, torch.device("cpu"))
@@ -425,12 +425,12 @@ def test_thread_defaults_fill_only_unset_keys(ckpt):
     import os
     chosen = sam2_thread_defaults(os.cpu_count(), torch.device("cpu"))
     spec = build_pool(Sam2Config(**base))
-    assert (len(spec.workers), spec.threads, spec.output_threads) == (chosen["encoders"], chosen["threads"],
+    assert (len(spec.models), spec.threads, spec.output_threads) == (chosen["encoders"], chosen["threads"],
                                                                          chosen["decoder_threads"])
     spec = build_pool(Sam2Config(**base, threads=3, decoder_threads=5))  # what the user set is kept
-    assert (len(spec.workers), spec.threads, spec.output_threads) == (chosen["encoders"], 3, 5)
+    assert (len(spec.models), spec.threads, spec.output_threads) == (chosen["encoders"], 3, 5)
     spec = build_pool(Sam2Config(**base, encoders=2))
-    assert len(spec.workers) == 2 and spec.workers[1].model is spec.workers[0].model
+    assert len(spec.models) == 2 and spec.models[1].model is spec.models[0].model
 
 
 @pytest.mark.timeout(60)
@@ -465,14 +465,14 @@ class _View:
 @pytest.fixture(scope="module")
 def pool128(ckpt):
     from engine.config import Sam2Config
-    from engine.workers.sam2 import build_pool
+    from engine.models.sam2 import build_pool
     return build_pool(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu",
                                  degrade_sizes=[128], threads=2, decoder_threads=2))
 
 
 @pytest.mark.timeout(120)
 def test_levels_share_the_weights(pool128):
-    w = pool128.workers[0]
+    w = pool128.models[0]
     assert pool128.levels == ["image_size=256", "image_size=128"]
     small = w.models[128]
     assert small.image_size == 128 and w.model.image_size == 256
@@ -492,7 +492,7 @@ def test_levels_share_the_weights(pool128):
 def test_stream_switched_to_a_smaller_size_keeps_its_objects(pool128, clips):
     """256 px for k frames, then 128 px: each object restarts at 128 from its last mask (same id, no gap),
     the banks are rebuilt at 128, and the masks go on overlapping the pre-switch ones."""
-    w, stage = pool128.workers[0], pool128.processor.stage
+    w, stage = pool128.models[0], pool128.processor.stage
     frames = decode_all(clips[0])
     stage.add_stream("sw")
     for obj_id, p in PROMPTS.items():
@@ -525,7 +525,7 @@ def test_stream_switched_to_a_smaller_size_keeps_its_objects(pool128, clips):
 
 @pytest.mark.timeout(120)
 def test_idle_stream_frames_are_not_encoded_and_a_prompt_starts_on_the_next_encoded_frame(pool128, monkeypatch):
-    w, stage = pool128.workers[0], pool128.processor.stage
+    w, stage = pool128.models[0], pool128.processor.stage
     encoded = []
     real = w.models[256].forward_image
     monkeypatch.setattr(w.models[256], "forward_image", lambda x: encoded.append(x.shape[0]) or real(x))
@@ -566,7 +566,7 @@ def test_overloaded_sam2_pool_steps_down_to_a_smaller_input_size(model, ckpt, en
     rung is the smaller input size. The pool steps down, says so on the stream's events, and the
     objects go on being tracked at 128 px (the switch travels with the batches to the encoder and the
     decoder stage). The budget is 6 steps of SAM 2 as measured here."""
-    from engine.client import Subscriber
+    from engine.publish.client import Subscriber
     budget_ms = 6 * sam2_step_seconds(model) * 1e3
     cfg = engine_config([{"id": "live", "url": "synthetic://shapes?size=320x240&fps=30", "max_interval": 1}],
                         endpoint, budget={"latency_ms": budget_ms}, qos={"degrade_after_s": 1.0},

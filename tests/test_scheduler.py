@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from engine.latency import LatencyModel
-from engine.scheduler import EdfScheduler
+from engine.sched.latency import LatencyModel
+from engine.sched.scheduler import EdfScheduler
 
 
 @dataclass

@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from engine.config import EngineConfig, build_config
-from engine.control import request
-from engine.engine import Engine
+from engine.control.control_socket import request
+from engine.core.engine import Engine
 from engine.errors import ConfigError
-from engine.security import create_keys
-from engine.workers.null import NullWorker
+from engine.security.keys import create_keys
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
 from tests.test_control import ControlServer, with_control
 
@@ -36,7 +36,7 @@ def test_curve_allow_list(keys, endpoint, caplog):
                                   "authorized_clients": str(keys / "allowed")})
     cfg, ctl = with_control(cfg)
     with caplog.at_level(logging.DEBUG):
-        eng = Engine(cfg, workers={"classify": NullWorker()})
+        eng = Engine(cfg, models={"classify": NoopRunner()})
         eng.start()
         server = ControlServer(eng)
         try:
@@ -72,7 +72,7 @@ def test_missing_key_file_names_the_key(tmp_path, endpoint):
                         security={"curve": True, "server_key": str(tmp_path / "nope.key_secret"),
                                   "authorized_clients": str(tmp_path)})
     with pytest.raises(ConfigError, match=r"security.server_key: '.*nope.key_secret' not found; create keys"):
-        Engine(cfg, workers={"classify": NullWorker()}).start()
+        Engine(cfg, models={"classify": NoopRunner()}).start()
 
 
 def test_default_binds_are_loopback():

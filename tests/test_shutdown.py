@@ -11,10 +11,10 @@ import psutil
 import pytest
 import yaml
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from tests.conftest import free_port
 
-VIDAR = [sys.executable, "-m", "engine.cli", "run"]
+VIDAR = [sys.executable, "-m", "engine.control.cli", "run"]
 
 
 def start_engine(tmp_path, streams=3):

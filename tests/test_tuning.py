@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from engine.tuning import plan_classify, split
+from engine.sched.tuning import plan_classify, split
 
 
 @pytest.mark.parametrize("cores, pools, cuda, live, workers, threads, expect", [
@@ -40,8 +40,8 @@ def test_split_table(cores, live, expect):
 @pytest.mark.parametrize("mode, expect", [("offline", "2 worker(s) x 1 thread(s) (2 of 2 core(s); offline"),
                                           ("live", "1 worker(s) x 2 thread(s) (2 of 2 core(s); live")])
 def test_engine_logs_the_chosen_plan(endpoint, monkeypatch, caplog, mode, expect):
-    from engine import engine as engine_mod
-    from engine.engine import Engine
+    from engine.core import engine as engine_mod
+    from engine.core.engine import Engine
     from tests.conftest import engine_config
     monkeypatch.setattr(engine_mod, "usable_cores", lambda: 2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=96x64&fps=30&frames=3", "mode": mode}],
@@ -52,4 +52,4 @@ def test_engine_logs_the_chosen_plan(endpoint, monkeypatch, caplog, mode, expect
         eng.start()
     eng.stop()
     assert f"pool classify: {expect}" in caplog.text
-    assert len(eng.pools["classify"].slots.workers) == int(expect[0])
+    assert len(eng.pools["classify"].slots.models) == int(expect[0])

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from engine.config import ViewConfig
-from engine.engine import Engine
-from engine.frame import FrameMeta
+from engine.core.engine import Engine
+from engine.frames.lifecycle import FrameMeta
 from engine.view.hub import ViewHub
 from engine.view.server import ViewThread
-from engine.workers.null import NullWorker
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -219,7 +219,7 @@ def test_the_tap_is_capped_at_view_fps():
 def _view_engine(endpoint, streams, **view):
     cfg = engine_config(streams, endpoint, budget={"latency_ms": 2000},
                         view={"enabled": True, "port": 0, **view})
-    eng = Engine(cfg, workers={"classify": [NullWorker(), NullWorker()]})
+    eng = Engine(cfg, models={"classify": [NoopRunner(), NoopRunner()]})
     eng.start()
     return eng, ViewThread(eng)
 
@@ -352,7 +352,7 @@ def test_stream_credentials_never_reach_the_page(endpoint):
     secret = "hunter2secret"
     eng, view = _view_engine(endpoint, [{"id": "cam1", "url": f"rtsp://admin:{secret}@127.0.0.1:{free_port()}/x"}])
     try:
-        _wait(lambda: eng.streams["cam1"].runner.state == "reconnecting")
+        _wait(lambda: eng.streams["cam1"].ingest.state == "reconnecting")
         states, _ = watch(view.url, ["cam1"], 1.5)
         _, listing = http(view.url + "api/streams")
         text = json.dumps(states) + listing
@@ -409,7 +409,7 @@ def test_auto_token_is_fresh_and_long():
 def test_vidar_run_refuses_a_public_view_without_token(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("streams: [{id: a, url: 'synthetic://shapes'}]\nview: {host: 0.0.0.0}\n")
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(cfg)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "run", str(cfg)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "view.host" in r.stderr and "view.token" in r.stderr
 
 
@@ -419,7 +419,7 @@ def test_a_busy_view_port_is_a_configuration_error(endpoint):
     busy.listen()
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint,
                         view={"enabled": True, "port": busy.getsockname()[1]})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     try:
         from engine.errors import ConfigError

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.client import Subscriber
+from engine.publish.client import Subscriber
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

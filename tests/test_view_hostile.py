@@ -21,10 +21,10 @@ import pytest
 import yaml
 import zmq
 
-from engine.control import request
-from engine.engine import Engine
+from engine.control.control_socket import request
+from engine.core.engine import Engine
 from engine.view.server import REPORT_EVERY_S, ViewThread
-from engine.workers.null import NullWorker
+from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,7 +37,7 @@ def _view(**view):
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}],
                         f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 2000},
                         view={"enabled": True, "port": 0, **view})
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     return eng, ViewThread(eng)
 
@@ -342,7 +342,7 @@ def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
 
     def low_fd_limit():  # in the child only: this process keeps its own limit. The hard limit too: `vidar run`
         resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))  # raises its soft limit to the hard one
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.control.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=low_fd_limit)
     slow, t_start = Slow(), time.monotonic()
     if not wait_for(lambda: _answers(ctl, 1.0), 60, step=0.2):
@@ -401,7 +401,7 @@ def test_a_slow_control_client_cannot_starve_another(endpoint):
     a well-behaved client is still answered within its measured time."""
     from tests.test_control import ControlServer, with_control
     cfg, ctl = with_control(engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint))
-    eng = Engine(cfg, workers={"classify": NullWorker()})
+    eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     server = ControlServer(eng)
     ctx, socks = zmq.Context.instance(), []

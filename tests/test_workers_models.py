@@ -14,10 +14,12 @@ from PIL import Image
 
 from engine.config import ClassifyConfig, Sam2Config
 from engine.errors import ConfigError, WeightsError
-from engine.workers.classify import ClassifierWorker, timm_contract
-from engine.workers.models import InputContract, Preprocessor, read_state_dict, resolve_device, resolve_dtype
-from engine.workers.sam2 import Sam2EncoderWorker
-from engine.workers.sam2_model import available_configs, official_checkpoints, sam2_contract
+from engine.models.classify import ClassifierRunner, timm_contract
+from engine.models.preprocess import InputContract, Preprocessor
+from engine.models.weights import read_state_dict
+from engine.models.device import resolve_device, resolve_dtype
+from engine.models.sam2 import Sam2EncoderRunner
+from engine.models.sam2_model import available_configs, official_checkpoints, sam2_contract
 from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
 
 CPU = torch.device("cpu")
@@ -50,11 +52,11 @@ def files(tmp_path_factory):
 
 
 def classify(**kw):
-    return ClassifierWorker(ClassifyConfig(**{"name": "test_vit", "weights": "random", "device": "cpu", **kw}))
+    return ClassifierRunner(ClassifyConfig(**{"name": "test_vit", "weights": "random", "device": "cpu", **kw}))
 
 
 def sam2(**kw):
-    return Sam2EncoderWorker(Sam2Config(**{"config": CONFIG, "checkpoint": "random", "image_size": SIZE,
+    return Sam2EncoderRunner(Sam2Config(**{"config": CONFIG, "checkpoint": "random", "image_size": SIZE,
                                            "device": "cpu", **kw}))
 
 

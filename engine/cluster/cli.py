@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import ConfigError
+from engine.errors import ConfigError
 
 # Ray's default health check takes ~13 s to declare a killed node dead and ~66 s a frozen one
 # (shared/STACK.md); these make it 1-1.5 s and ~3 s. They must be set before the head starts.
@@ -47,8 +47,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from ..config import _set_dotted, build_config, parse_override
-    from .driver import run
+    from engine.config import _set_dotted, build_config, parse_override
+    from engine.cluster.driver import run
     try:
         path = Path(args.config)
         if not path.is_file():
@@ -66,8 +66,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _controller(args: argparse.Namespace):
-    from ..config import ClusterConfig
-    from .driver import connect, controller
+    from engine.config import ClusterConfig
+    from engine.cluster.driver import connect, controller
     cc = ClusterConfig(namespace=args.namespace)
     ray = connect(args.address, cc.namespace)
     return ray, controller(ray, {}, cc, create=False)[0]

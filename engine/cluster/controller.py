@@ -36,9 +36,9 @@ from pydantic import ValidationError
 
 from streams import redact_url
 
-from ..config import ClusterConfig, StreamConfig, build_config
-from .placement import EngineLoad, choose, engines_that_fit, fits_idle, measured_streams, place
-from .rates import ESTIMATE, IngestRates, cost_fps, declared_fps
+from engine.config import ClusterConfig, StreamConfig, build_config
+from engine.cluster.placement import EngineLoad, choose, engines_that_fit, fits_idle, measured_streams, place
+from engine.cluster.rates import ESTIMATE, IngestRates, cost_fps, declared_fps
 
 log = logging.getLogger("vidar.cluster")
 
@@ -138,7 +138,7 @@ class Controller:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from .engine_actor import NORMAL_PRIORITY, EngineActor
+        from engine.cluster.engine_actor import NORMAL_PRIORITY, EngineActor
         remote = ray.remote(EngineActor)
         for node in nodes:
             names = self._engine_names(node["NodeID"])

@@ -20,11 +20,11 @@ from typing import Optional
 import msgpack
 import zmq
 
-from ..config import ClusterConfig, EngineConfig
-from ..binds import ZMQ_HANDSHAKE_MS
-from ..control import encode_reply
-from ..errors import ConfigError
-from .proxy import ResultsProxy
+from engine.config import ClusterConfig, EngineConfig
+from engine.security.binds import ZMQ_HANDSHAKE_MS
+from engine.control.control_socket import encode_reply
+from engine.errors import ConfigError
+from engine.cluster.proxy import ResultsProxy
 
 log = logging.getLogger("vidar.cluster")
 
@@ -75,8 +75,8 @@ def _probe(address: str, timeout: float = 5.0) -> None:
 
 def controller(ray, tree: dict, cc: ClusterConfig, create: bool = True):
     """(the controller, whether it ran already)."""
-    from .controller import CONTROLLER, Controller
-    from .engine_actor import NORMAL_PRIORITY
+    from engine.cluster.controller import CONTROLLER, Controller
+    from engine.cluster.engine_actor import NORMAL_PRIORITY
     try:
         return ray.get_actor(CONTROLLER, namespace=cc.namespace), True
     except ValueError:
@@ -110,7 +110,7 @@ class ClusterDriver:
 
     def start(self) -> None:
         """Raises ConfigError for what is wrong at start (nothing left running)."""
-        from ..binds import exposure_warning
+        from engine.security.binds import exposure_warning
         if self.cfg.security.allow_insecure_bind and (warning := exposure_warning(self.cfg)):
             log.warning("%s", warning)  # the config refused these without the flag (engine/binds.py)
         ray = connect(self.cc.address, self.cc.namespace)
@@ -166,7 +166,7 @@ class ClusterDriver:
     def _serve_metrics(self) -> None:
         from prometheus_client import CollectorRegistry
 
-        from ..metrics import serve_registry
+        from engine.publish.metrics import serve_registry
         registry = CollectorRegistry()
         registry.register(_ClusterCollector(self))
         m = self.cfg.metrics  # guarded as an engine's: the Host check, or metrics.token

@@ -12,10 +12,10 @@ import os
 import time
 from typing import Optional
 
-from ..config import EngineConfig, build_config
-from ..engine import Engine
-from ..frame import DropReason
-from ..qos import LOAD_DROPS
+from engine.config import EngineConfig, build_config
+from engine.core.engine import Engine
+from engine.frames.lifecycle import DropReason
+from engine.sched.qos import LOAD_DROPS
 
 
 OBJECT_S = 3.0  # per SAM 2 prompt re-added (the controller waits CALL_S for the whole start)
@@ -102,7 +102,7 @@ class EngineActor:
         nothing for a report (its streams left: a lone new stream runs at batch 1), that batch-1 time
         itself (the mean, not the scheduler's deadline estimate, a high quantile that read 60 ms for a
         50 ms frame: a fresh engine refused a third stream that fit until its reports showed the load)."""
-        workers = max(1, len(pool.slots.workers))
+        workers = max(1, len(pool.slots.models))
         b1 = pool.scheduler.latency.mean(1) / workers
         n = pool.slots.frames_run
         b0, n0, est = self._cost.get(name, (0.0, 0, None))

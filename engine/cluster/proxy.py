@@ -3,7 +3,7 @@
 The XSUB side connects to every engine's publisher and follows the engines as they come and go
 (`follow`); libzmq's XSUB re-sends the subscriptions it holds to every publisher it connects to, so
 a subscriber's topics reach engines started after it subscribed. The XPUB side binds
-`cluster.publish.endpoint`, so `engine.client.Subscriber` and `vidar subscribe` work unchanged.
+`cluster.publish.endpoint`, so `engine.publish.client.Subscriber` and `vidar subscribe` work unchanged.
 
 Not `zmq.proxy()`: its sockets cannot be reconnected from another thread while it runs (ZeroMQ
 sockets are not thread-safe), so this loop owns both sockets and applies endpoint changes between
@@ -19,8 +19,8 @@ from typing import Optional
 
 import zmq
 
-from ..binds import ZMQ_HANDSHAKE_MS
-from ..errors import ConfigError
+from engine.security.binds import ZMQ_HANDSHAKE_MS
+from engine.errors import ConfigError
 
 log = logging.getLogger("vidar.cluster")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from streams import redact_url
-from streams.base import file_path, url_scheme
+from streams.urls import file_path, url_scheme
 
 log = logging.getLogger("vidar.cluster")
 

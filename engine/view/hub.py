@@ -34,9 +34,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..config import ViewConfig
-from ..supervise import SupervisedThread
-from ..frame import FrameMeta
+from engine.config import ViewConfig
+from engine.executor.supervise import SupervisedThread
+from engine.frames.lifecycle import FrameMeta
 
 log = logging.getLogger("vidar.view")
 

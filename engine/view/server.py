@@ -50,9 +50,9 @@ from aiohttp import WSMsgType, web
 
 from streams import redact_url
 
-from ..config import ViewConfig, _is_loopback
-from ..errors import ConfigError
-from ..supervise import SupervisedTask
+from engine.config import ViewConfig, _is_loopback
+from engine.errors import ConfigError
+from engine.executor.supervise import SupervisedTask
 
 log = logging.getLogger("vidar.view")
 
@@ -96,7 +96,7 @@ class ViewServer:
         """Bind now (a busy port is a configuration error: exit 2)."""
         loop = asyncio.get_running_loop()
         self.hub.on_update = lambda stream: loop.call_soon_threadsafe(self._frame_ready, stream)
-        from .api import MAX_BODY_BYTES, routes
+        from engine.view.api import MAX_BODY_BYTES, routes
         timeout_s = self.cfg.request_timeout_s
         app = web.Application(middlewares=[self._guard], client_max_size=MAX_BODY_BYTES)
         app.add_routes([web.get("/", self._page("index.html")), web.get("/stream/{id}", self._page("stream.html")),
@@ -340,8 +340,8 @@ class ViewServer:
             event = view.pop("event", None)
             if event is not None:
                 d["event"] = {"kind": event["kind"], "reason": redact_url(str(event["reason"]))}
-            runner = entry.runner
-            d["reason"] = redact_url(entry.reason or (runner.end_reason if runner else ""))
+            ingest = entry.ingest
+            d["reason"] = redact_url(entry.reason or (ingest.end_reason if ingest else ""))
             d["view"] = view
             streams[sid] = d
         for key in [k for k in self._history if k[1] not in streams]:

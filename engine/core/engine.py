@@ -1,0 +1,239 @@
+"""The engine: builds the publisher, the pools and the core from a config, and runs their lifecycle.
+
+States: created -> starting -> running -> stopping -> stopped. Run-time changes (streams, objects)
+go through `control(request)`, the one path the control socket and the CLI use too: stream ops are
+applied by the core thread, object ops by the output thread of the pool that serves them (SAM 2's),
+each between steps. `stop(drain=True)` stops the decoders, lets the pools finish what they hold (up
+to `shutdown_timeout_s`), then drops what is left (shutdown); every stream gets exactly one eos.
+The engine names no model family: pools come from `engine/models/registry.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+import zmq
+
+from engine.security.binds import exposure_error, exposure_warning
+from engine.config import EngineConfig
+from engine.core.loop import EngineCore
+from engine.errors import ConfigError, ControlError, EngineDeadError
+from engine.frames.lifecycle import DropReason
+from engine.util.memory import limit_malloc_arenas
+from engine.publish.metrics import Metrics
+from engine.executor.pool import Pool
+from engine.publish.publisher import Publisher
+from engine.core.stream_table import StreamTable
+from engine.models.base import ModelRunner
+from engine.sched.tuning import usable_cores
+from engine.models.registry import auto_plan, build_pool
+
+log = logging.getLogger("vidar.engine")
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, *, models: Optional[dict[str, ModelRunner | list[ModelRunner]]] = None,
+                 model_factories: Optional[dict] = None, ctx: Optional[zmq.Context] = None):
+        self.cfg = cfg
+        self.state = "created"
+        self._injected = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in (models or {}).items()}
+        self._factories = dict(model_factories or {})
+        self._ctx = ctx
+        self.pools: dict[str, Pool] = {}
+        self.publisher: Optional[Publisher] = None
+        self.metrics: Optional[Metrics] = None
+        self.table: Optional[StreamTable] = None
+        self.core: Optional[EngineCore] = None
+        self.curve = None  # CURVE authenticator, when security.curve is on
+        self.control_socket = None  # bound at start when control.enabled (served by the runtime)
+        self.view = None  # the live view's hub when view.enabled (its web server runs in the runtime)
+
+    # -- start ----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Build everything; raises ConfigError/WeightsError for bad configuration (nothing left running)."""
+        self.state = "starting"
+        try:
+            self._start()
+        except BaseException:
+            self.stop(drain=False)
+            raise
+        self.state = "running"
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        # the config checked this when it was read; again here for configs built without its checks
+        # (model_copy: a cluster's engines bind their publisher and metrics on their node's address)
+        exposed = exposure_error(cfg)
+        if exposed:
+            raise ConfigError(exposed)
+        if cfg.security.allow_insecure_bind and (warning := exposure_warning(cfg)):
+            log.warning("%s", warning)
+        limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
+        self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
+                               lambda: {name: p.qos.state() for name, p in self.pools.items()})
+        if cfg.metrics.enabled:
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, cfg.metrics.token)
+        if cfg.security.curve:
+            from engine.security.keys import Curve
+            self.curve = Curve(self._ctx or zmq.Context.instance(), cfg.security.server_key,
+                               cfg.security.authorized_clients)
+        if cfg.control.enabled:
+            from engine.control.control_socket import bind
+            self.control_socket = bind(cfg.control.endpoint, cfg.control.max_message_bytes, curve=self.curve,
+                                       ctx=self._ctx)
+        self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
+                                   on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
+        if cfg.view.enabled:
+            from engine.view.hub import ViewHub
+            self.view = ViewHub(cfg.view)
+            self.publisher.listener = self.view.on_message
+        configured = cfg.models.configured()
+        cores = usable_cores()
+        live = not cfg.streams or any(s.mode == "live" for s in cfg.streams)
+        for name, pcfg in configured.items():
+            plan = None
+            if name not in self._injected:  # injected models (tests, benchmarks) are taken as they are
+                pcfg, plan = auto_plan(name, pcfg, cores=cores, pools=len(configured), live=live)
+            spec = build_pool(name, pcfg, self._injected.get(name), self._factories.get(name))
+            spec.plan = plan
+            pool = Pool(spec, publisher=self.publisher, faults=cfg.faults, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
+                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos)
+            pool.warmup()
+            self.pools[name] = pool
+        if cfg.publish.min_subscribers:
+            log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,
+                     cfg.publish.min_subscribers, self.publisher.endpoint)
+            if not self.publisher.wait_subscribers(cfg.publish.min_subscribers, cfg.publish.wait_subscribers_s):
+                raise EngineDeadError(f"publish.min_subscribers={cfg.publish.min_subscribers}: no subscriber "
+                                      f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
+        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view)
+        supervised = [self.publisher.health] + ([self.view.health] if self.view is not None else [])
+        self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s,
+                               supervised=supervised)
+        for pool in self.pools.values():
+            pool.start()
+        self.core.start()
+        for i, scfg in enumerate(cfg.streams):
+            try:
+                self.core.call(self.table.add, scfg).result(30)
+            except ControlError as err:  # refused as an add_stream would be: a config error here (exit 2)
+                raise ConfigError(f"streams.{i} ({scfg.id}): {str(err).removeprefix('add_stream: ')}") from None
+        for o in cfg.objects:
+            req = {"op": "add_object", **o.model_dump(exclude_none=True)}
+            reply = self.control(req)
+            if not reply["ok"]:
+                raise ConfigError(f"objects: {reply['error']}")
+
+    def _wake(self) -> None:
+        if self.core is not None:
+            self.core.wake()
+
+    def _emit(self, stream: str, kind: str, reason: str) -> None:
+        if self.publisher is not None:
+            self.publisher.submit_event(stream, kind, reason)
+
+    # -- run-time control -------------------------------------------------------------------------------
+    def control(self, request: object, timeout: float = 10.0) -> dict:
+        """One control request, as the control socket takes it; never raises (errors are replies)."""
+        from engine.control.control_socket import handle
+        return handle(self, request, timeout)
+
+    def pool_serving(self, op: str) -> Optional[Pool]:
+        return next((p for p in self.pools.values() if p.spec.processor and op in p.spec.processor.ops), None)
+
+    def describe(self) -> dict:
+        out = {}
+        extras = {name: p.spec.processor.describe() for name, p in self.pools.items() if p.spec.processor}
+        for entry in self.table.snapshot() if self.table else []:
+            if entry.state == "removing":
+                continue
+            d = self.table.describe(entry.id)
+            d["pools"] = {name: {"published": (s := self.pools[name].acct.snapshot(entry.id)).published,
+                                 "dropped": s.dropped} for name in entry.pools}
+            for extra in extras.values():
+                d.update(extra.get(entry.id, {}))
+            out[entry.id] = d
+        return out
+
+    def live_streams(self) -> list[str]:
+        return [e.id for e in self.table.snapshot() if e.state != "removing"] if self.table else []
+
+    @property
+    def streams(self) -> dict:
+        """stream id -> its entry (rings, ingest thread, state); read-only view for status lines and tests."""
+        return {e.id: e for e in self.table.snapshot()} if self.table else {}
+
+    def stream_counters(self) -> dict[str, dict[str, int]]:
+        """Per-stream counters outside the frame accounting (metrics and the status line)."""
+        out: dict[str, dict[str, int]] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}}
+        for entry in self.table.snapshot() if self.table else []:
+            out["ring_overwrites"][entry.id] = sum(r.overwrites for r in entry.rings.values())
+            if entry.ingest is not None:
+                out["decode_errors"][entry.id] = entry.ingest.source.decode_errors
+                out["reconnects"][entry.id] = entry.ingest.reconnects
+        if self.publisher is not None:
+            out["events_dropped"] = dict(self.publisher.stats.events_dropped)
+        if self.table is not None:
+            out["decoder_threads_stuck"] = self.table.stuck_decoders
+        if self.view is not None:
+            out["view_frames"] = self.view.counters()
+        for pool in self.pools.values():
+            if pool.spec.processor is not None:
+                for name, values in pool.spec.processor.counters().items():
+                    out.setdefault(name, {}).update(values)
+        return out
+
+    def audit(self) -> dict[str, dict[str, tuple[int, int]]]:
+        """Pools whose counters and frame holders disagree (a leaked or double-counted frame)."""
+        return {name: bad for name, p in self.pools.items() if (bad := p.acct.audit())}
+
+    # -- state ------------------------------------------------------------------------------------------------
+    def finished(self) -> bool:
+        """Every stream has ended and its eos was published (removed streams count as ended)."""
+        entries = self.table.snapshot() if self.table else []
+        return bool(entries) and all(e.eos_sent for e in entries)
+
+    def check_dead(self) -> Optional[str]:
+        return self.core.dead if self.core else None
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return self.check_dead()
+
+    def any_failed(self) -> bool:
+        return any(e.failed or (e.ingest is not None and e.ingest.failed) for e in self.table.snapshot()) \
+            if self.table else False
+
+    # -- stop -------------------------------------------------------------------------------------------------
+    def stop(self, *, drain: bool = True) -> None:
+        if self.state in ("stopping", "stopped"):
+            return
+        self.state = "stopping"
+        t_end = time.monotonic() + self.cfg.shutdown_timeout_s
+        if self.core is not None and self.core.alive:
+            self.core.call(self.core.begin_stop, drain)
+            if not self.core.join(self.cfg.shutdown_timeout_s + 2.0):
+                log.error("engine core did not stop in time")
+        elif self.core is not None:  # the core died or never ran: this thread is the owner now
+            self.core.end_all(stop=self.core.dead or "shutdown", drop=DropReason.SHUTDOWN)
+        for name, pool in self.pools.items():
+            if not pool.stop(max(0.1, t_end - time.monotonic())):
+                log.warning("pool %s: a worker still runs a batch after shutdown_timeout_s=%g s (the process may "
+                            "abort if it exits now)", name, self.cfg.shutdown_timeout_s)
+        for entry in self.table.snapshot() if self.table else []:
+            if entry.ingest and not entry.ingest.join(max(0.1, t_end - time.monotonic())):
+                log.warning("stream %s: decoder thread did not stop in time (blocked in a read?)", entry.id)
+        if self.publisher:
+            self.publisher.close(timeout=max(1.0, t_end - time.monotonic()))
+        if self.metrics:
+            self.metrics.close()
+        if self.view is not None:
+            self.view.close()
+        if self.control_socket is not None:
+            self.control_socket.close(0)
+        if self.curve is not None:
+            self.curve.stop()
+        self.state = "stopped"
+

@@ -1,0 +1,305 @@
+"""The engine's streams: each one's rings (one per pool it feeds), decoder thread, and lifecycle.
+
+Owned by the engine core thread: `add`, `remove`, `poll` and `stop_all` run only there (other
+threads ask through `EngineCore.call`), so a removal can never race a batch in flight. Other
+threads read `snapshot()` (a list copy) for status lines and metrics.
+
+A stream's eos is queued at the publisher once no pool it feeds holds any of its frames (its
+rings are closed and empty, nothing in a scheduler, on a worker or in an output stage), so it
+follows the stream's last result. A removed stream is forgotten (counters, metric series,
+outbox) once its eos has been sent; an add of the same id waits for that.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from streams import open_source, redact_url
+from engine.frames.ingest import IngestThread
+
+from engine.security.binds import stream_exposure_error
+from engine.config import EngineConfig, StreamConfig
+from engine.errors import ControlError, SourceError
+from engine.frames.fanout import RingGroup
+from engine.frames.lifecycle import DropReason
+from engine.frames.budget import FrameMemoryBudget, total_memory_bytes
+from engine.executor.pool import Pool
+from engine.publish.publisher import Publisher
+from engine.frames.ring import FrameRing
+from engine.util.threads import settle
+
+log = logging.getLogger("vidar.engine")
+
+
+@dataclass(eq=False)
+class StreamEntry:
+    cfg: StreamConfig
+    pools: list[str]
+    rings: dict[str, FrameRing] = field(default_factory=dict)
+    ingest: Optional[IngestThread] = None
+    state: str = "running"            # running | ended | removing
+    failed: bool = False
+    reason: str = ""                  # why it ended, when the engine decided (removed, shutdown, error)
+    eos_queued: bool = False
+    eos_sent: bool = False
+    removal: Optional[Future] = None  # resolved when the eos of a removed stream is queued
+    reap_by: float = 0.0              # monotonic: a removed stream's decoder thread should have ended by then
+
+    @property
+    def id(self) -> str:
+        return self.cfg.id
+
+    @property
+    def display_state(self) -> str:
+        if self.state == "removing":
+            return "removing"
+        if self.failed:
+            return "failed"
+        return self.ingest.state if self.ingest else self.state
+
+
+class StreamTable:
+    def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
+                 emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None):
+        self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
+        self._view = view  # the live view's hub, or None
+        self._entries: dict[str, StreamEntry] = {}
+        self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
+        self.frame_budget = FrameMemoryBudget(total_memory_bytes(cfg.ring.total_memory_mb))
+        self.dead_reason: Optional[str] = None
+        # A removed stream is forgotten only once its decoder thread has ended (polled here, never
+        # joined: the core thread must not block), so removals cannot pile up threads. Bound: the
+        # longest a source may legitimately stay blocked after a stop, an open or a read of a hung
+        # network peer (PyAV gives up after ~2x its timeout, shared/STACK.md), plus slack. A thread
+        # still alive then (a read on a hung network filesystem) is logged, counted, and let go.
+        src = cfg.source
+        self.reap_bound_s = 2 * (src.open_timeout_s + src.stall_timeout_s) + 5.0
+        self.stuck_decoders = 0  # decoder threads that outlived reap_bound_s after their stream was removed
+
+    # -- reads (any thread) --------------------------------------------------------------------
+    def snapshot(self) -> list[StreamEntry]:
+        return list(self._entries.values())
+
+    def get(self, stream: str) -> Optional[StreamEntry]:
+        return self._entries.get(stream)
+
+    # -- core thread ------------------------------------------------------------------------------
+    def add(self, scfg: StreamConfig, fut: Optional[Future] = None) -> Future:
+        """Start a stream. The future resolves when it runs, or with a ControlError."""
+        fut = fut or Future()
+        old = self._entries.get(scfg.id)
+        if old is not None and old.state != "removing":
+            settle(fut, exc=ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first"))
+            return fut
+        running = sum(e.state == "running" for e in self._entries.values())
+        if running >= self.cfg.max_streams:
+            settle(fut, exc=ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running; "
+                                           "remove one first or raise max_streams"))
+            return fut
+        pools = scfg.pools or list(self._pools)
+        unknown = [p for p in pools if p not in self._pools]
+        if unknown:
+            settle(fut, exc=ControlError(f"add_stream: stream.pools: {unknown} not configured; "
+                                           f"configured: {sorted(self._pools)}"))
+            return fut
+        if old is not None:  # the same id is still being removed: start once its eos is out
+            self._deferred.append((scfg, fut))
+            return fut
+        # All or nothing: the source is built (its URL and parameters checked) before anything is
+        # registered, so a refused add leaves no stream behind (no entry, ring, view slot or thread) and
+        # its id free. (Registering first left a "running" stream that published nothing and held its id.)
+        listening = stream_exposure_error(scfg.url, self.cfg.security.allow_insecure_bind)
+        if listening:
+            settle(fut, exc=ControlError(f"add_stream: stream.url: {listening}"))
+            return fut
+        src = self.cfg.source
+        try:
+            source = open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
+                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=self.cfg.ring.max_frame_pixels)
+        except SourceError as err:
+            settle(fut, exc=ControlError(f"add_stream: stream.url: {err.reason}"))
+            return fut
+        except Exception as err:  # a bug in a source's checks: refused all the same, and said
+            log.exception("stream %s: building its source failed", scfg.id)
+            settle(fut, exc=ControlError(f"add_stream: stream.url: internal error: "
+                                         f"{redact_url(f'{type(err).__name__}: {err}')}"))
+            return fut
+        try:
+            self._start(scfg, pools, source)
+        except SourceError as err:  # its frames would not fit the frame memory, or its start failed (undone)
+            settle(fut, exc=ControlError(f"add_stream: {err.reason}"))
+            return fut
+        settle(fut, scfg.id)
+        return fut
+
+    def _start(self, scfg: StreamConfig, pools: list[str], source) -> None:
+        entry = StreamEntry(scfg, pools)
+        live = scfg.mode == "live"
+        r = self.cfg.ring
+        for name in pools:
+            pool = self._pools[name]
+            entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
+                                          min_slots=r.min_slots, max_slots=r.max_slots,
+                                          max_frame_pixels=r.max_frame_pixels, notify=self._wake,
+                                          max_interval=scfg.max_interval, budget=self.frame_budget)
+            if self._view is not None:
+                entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
+        size = getattr(source, "frame_size", None)  # (w, h) known before opening (synthetic sources)
+        if size is not None:
+            try:
+                for ring in entry.rings.values():
+                    ring.reserve_for(size[1], size[0])
+            except SourceError:
+                for ring in entry.rings.values():
+                    ring.close()  # gives back what the others reserved
+                raise
+        # registered, attached, its decoder started; anything that fails here (a thread that cannot be
+        # started when the process is out of threads) is undone, so the add stays all or nothing
+        try:
+            if self._view is not None:
+                self._view.expect(scfg.id, pools)
+            self._entries[scfg.id] = entry
+            for name in pools:
+                self._pools[name].attach(entry.rings[name])
+            rings = list(entry.rings.values())
+            sink = rings[0] if len(rings) == 1 else RingGroup(rings)
+            src = self.cfg.source
+            entry.ingest = IngestThread(source, sink, live=live, loop=scfg.loop,
+                                        budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
+                                        reconnect_initial_s=src.reconnect_initial_s,
+                                        reconnect_max_s=src.reconnect_max_s,
+                                        backoff_reset_after_s=src.backoff_reset_after_s)
+            entry.ingest.start()
+        except Exception as err:
+            log.exception("stream %s: starting it failed; undone", scfg.id)
+            self._undo(entry)
+            raise SourceError(scfg.id, f"could not be started: {redact_url(f'{type(err).__name__}: {err}')}") from None
+
+    def _undo(self, entry: StreamEntry) -> None:
+        """A start that failed half-way: the stream is as if never added (its id free, nothing held)."""
+        for name in entry.pools:
+            pool = self._pools[name]
+            if pool.rings.get(entry.id) is entry.rings.get(name):
+                pool.detach(entry.id, DropReason.STREAM_REMOVED)
+            pool.acct.forget(entry.id)
+        for ring in entry.rings.values():
+            ring.close()
+        self._entries.pop(entry.id, None)
+        if self._view is not None:
+            self._view.forget(entry.id)
+
+    def remove(self, stream: str, reason: str = "removed") -> Future:
+        """Stop a stream: its decoder stops, frames queued in rings and schedulers are dropped
+        (stream_removed), frames on workers are dropped by the output stages or were published before,
+        then one eos with `reason` ("removed"; a cluster moving the stream says "relocated: ..."). The
+        future resolves when that eos is queued."""
+        entry = self._entries.get(stream)
+        if entry is None or entry.state == "removing":
+            fut: Future = Future()
+            live = sorted(s for s, e in self._entries.items() if e.state != "removing")
+            settle(fut, exc=ControlError(f"remove_stream: unknown stream {stream!r}; streams: {live}"))
+            return fut
+        entry.removal = Future()
+        entry.reap_by = time.monotonic() + self.reap_bound_s
+        if entry.eos_queued:  # it had ended already: its eos is out (or on its way); just forget it
+            entry.state = "removing"
+            if entry.ingest:
+                entry.ingest.stop()  # idempotent: a thread still on its way out is not left blocked
+            entry.removal.set_result(None)
+            return entry.removal
+        entry.state, entry.reason = "removing", reason
+        if entry.ingest:
+            entry.ingest.stop()
+        for name in entry.pools:
+            self._pools[name].detach(stream, DropReason.STREAM_REMOVED)
+        log.info("stream %s removed", stream)
+        return entry.removal
+
+    def stop_all(self, reason: str) -> None:
+        """Shutdown or engine death: decoders stop, rings close; what was decoded is still processed
+        (drain) unless the pools are aborted."""
+        for entry in self._entries.values():
+            if not entry.reason and not entry.eos_queued:
+                entry.reason = reason
+            if entry.ingest:
+                entry.ingest.stop()
+            else:
+                for ring in entry.rings.values():
+                    ring.close()
+
+    def poll(self) -> None:
+        """Queue the eos of every stream that is done, forget removed streams whose eos went out."""
+        for entry in list(self._entries.values()):
+            if not entry.eos_queued and self._done(entry):
+                self._queue_eos(entry)
+            if entry.state == "removing" and entry.eos_sent and self._reaped(entry):
+                self._forget(entry)
+
+    def _done(self, entry: StreamEntry) -> bool:
+        # A closed ring takes no more frames (its decoder thread may still be leaving a blocking read).
+        return all(self._pools[name].stream_idle(entry.id) for name in entry.pools)
+
+    def _queue_eos(self, entry: StreamEntry) -> None:
+        entry.eos_queued = True
+        ingest = entry.ingest
+        if ingest is not None and ingest.failed:
+            entry.failed = True
+        if entry.state == "running":
+            entry.state = "ended"
+        if entry.state == "removing":
+            reason = entry.reason
+        elif self.dead_reason:
+            reason = self.dead_reason
+        elif ingest is not None and ingest.end_reason not in ("", "stopped"):  # it ended by itself
+            reason = ingest.end_reason
+        else:
+            reason = entry.reason or "end of stream"
+
+        def sent() -> None:
+            entry.eos_sent = True
+            self._wake()
+
+        def counts() -> dict:  # read when the eos is sent: every result before it has ended by then
+            snaps = {name: self._pools[name].acct.snapshot(entry.id) for name in entry.pools}
+            return {"counts": {name: {"ingested": s.ingested, "published": s.published, "dropped": s.dropped,
+                                      "failed": s.failed} for name, s in snaps.items()}}
+        self._publisher.submit_event(entry.id, "eos", reason, on_sent=sent, fields=counts)
+        if entry.removal is not None:
+            settle(entry.removal)
+
+    def _reaped(self, entry: StreamEntry) -> bool:
+        """The removed stream's decoder thread has ended, or will be let go (loudly) after reap_bound_s."""
+        ingest = entry.ingest
+        if ingest is None or not ingest.alive:
+            return True
+        if time.monotonic() < entry.reap_by:
+            return False
+        self.stuck_decoders += 1
+        log.error("stream %s: decoder thread still running %.0f s after the stream was removed (blocked in a "
+                  "read that cannot be interrupted?): forgetting the stream, leaving the thread behind "
+                  "(%d such threads so far)", entry.id, self.reap_bound_s, self.stuck_decoders)
+        return True
+
+    def _forget(self, entry: StreamEntry) -> None:
+        del self._entries[entry.id]
+        for name in entry.pools:
+            self._pools[name].acct.forget(entry.id)
+        self._publisher.forget(entry.id)
+        if self._view is not None:
+            self._view.forget(entry.id)
+        for scfg, fut in [d for d in self._deferred if d[0].id == entry.id]:
+            self._deferred.remove((scfg, fut))
+            if not fut.cancelled():  # the caller gave up waiting and was told it failed
+                self.add(scfg, fut)
+
+    def all_done(self) -> bool:
+        return all(e.eos_queued for e in self._entries.values())
+
+    def describe(self, stream: str) -> dict:
+        e = self._entries[stream]
+        return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools)}

@@ -1,0 +1,207 @@
+"""One model pool: its rings, a pure scheduler, its worker slots (worker_slots.py: the worker
+threads and their watchdog) and its output stage (output.py).
+
+The pool has no thread of its own for scheduling: the engine core thread (its one owner) calls
+`step(now)`, which takes ready frames from the rings into the scheduler, drops the frames that
+cannot meet their deadline, dispatches batches to idle workers and runs the watchdog. Workers
+hand finished batches straight to the pool's output stage (its own thread: reordering, the
+family's output processor, the late check, publishing), so no worker ever waits for output.
+
+Every move of a frame (ring -> scheduler -> worker -> output stage -> publisher -> terminal) is
+done under the pool's ledger lock (`acct.lock`), and each holder reports what it holds, so the
+pool's in-flight count is counted, not derived (see accounting.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, deque
+from typing import Callable, Optional
+
+from engine.frames.accounting import Accounting
+from engine.config import FaultsConfig, QosConfig
+from engine.frames.drop_log import DropLog
+from engine.executor.worker_thread import Batch, WorkerThread
+from engine.sched.faults import FaultPolicy
+from engine.frames.lifecycle import DropReason, FailReason
+from engine.sched.latency import LatencyModel
+from engine.publish.metrics import Metrics
+from engine.executor.output_stage import OutputStage
+from engine.publish.publisher import Publisher
+from engine.sched.qos import PoolQos
+from engine.frames.ring import FrameRing, FrameView
+from engine.sched.scheduler import EdfScheduler
+from engine.util.threads import intra_op_threads
+from engine.executor.worker_slots import WorkerSlots
+from engine.models.registry import PoolSpec
+
+log = logging.getLogger("vidar.pool")
+
+
+class Pool:
+    def __init__(self, spec: PoolSpec, *, publisher: Publisher, faults: FaultsConfig, max_wait_s: float,
+                 credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
+                 clock: Callable[[], float] = time.monotonic, qos: Optional[QosConfig] = None):
+        if not spec.models:
+            raise ValueError(f"pool {spec.name}: a pool needs at least one worker")
+        self.name, self.spec = spec.name, spec
+        self.acct = Accounting(spec.name)
+        self.scheduler = EdfScheduler(max_batch=spec.max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
+        self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
+        self._batch_timeout_s, self._credit, self._metrics = faults.batch_timeout_s, credit, metrics
+        self.rings: dict[str, FrameRing] = {}
+        self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done)
+        self._next_batch = 0
+        self.drop_log = DropLog(spec.name, self.acct.lock)
+        self.output = OutputStage(spec.name, weights=spec.models[0].weights_tag, acct=self.acct,
+                                  publisher=publisher, faults=self.faults, processor=spec.processor,
+                                  on_timing=self._timing, on_drop=self.drop_log.note, clock=clock,
+                                  threads=spec.output_threads)
+        self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
+                                 metrics=metrics, wake=wake, clock=clock, faults=self.faults)
+        self.acct.add_holder("scheduler", self.scheduler.count_by_key)
+        self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
+        self.qos = PoolQos(spec.name, qos or QosConfig(), self.acct, levels=spec.levels, level_costs=spec.level_costs,
+                           emit=lambda stream, kind, reason, fields: publisher.submit_event(
+                               stream, kind, reason, fields=lambda: dict(fields)))
+
+    # -- start / stop -------------------------------------------------------------------------
+    def warmup(self) -> None:
+        """Measure batch times under the workers' own thread count; they seed the scheduler."""
+        for b, seconds in self._warmup_times().items():
+            self.scheduler.update(b, seconds)
+        plan = self.spec.plan
+        why = f" ({plan.why})" if plan is not None else ""
+        log.info("pool %s: %d worker(s) x %s thread(s)%s; warm-up %s", self.name, len(self.slots.models),
+                 self.spec.threads or "torch's", why,
+                 ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
+
+    def _warmup_times(self) -> dict[int, float]:
+        with intra_op_threads(self.spec.threads):
+            return self.slots.models[0].warmup(sorted({1, self.scheduler.max_batch}))
+
+    def start(self) -> None:
+        self.slots.start()
+        self.output.start()
+
+    def stop(self, timeout: float) -> bool:
+        """Workers and the output stage end (after abort or drain). True if every thread ended."""
+        t_end = time.monotonic() + timeout
+        ok = self.slots.stop(timeout)
+        ok &= self.output.stop(max(0.1, t_end - time.monotonic()))
+        self.slots.close()
+        return ok
+
+    # -- rings (core thread) ---------------------------------------------------------------------
+    def attach(self, ring: FrameRing) -> None:
+        with self.acct.lock:
+            self.rings[ring.stream] = ring
+            self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}))
+        self.qos.attach(ring.stream, live=ring.live, max_interval=ring.max_interval)
+        self.output.add_stream(ring.stream)
+
+    def detach(self, stream: str, reason: DropReason) -> None:
+        """The stream stops feeding this pool: what its ring and the scheduler hold is dropped now;
+        frames already on a worker are dropped by the output stage (it forgets the stream first)."""
+        self.output.remove_stream(stream)
+        with self.acct.lock:
+            ring = self.rings.pop(stream, None)
+            frames = self.scheduler.remove(lambda fv: fv.meta.stream == stream)
+            if ring is not None:
+                ring.close()
+                frames += ring.take_ready()
+            for fv in frames:
+                self._drop(fv, reason)
+            self.acct.remove_holder(f"ring:{stream}")
+        self.scheduler.forget(stream)
+        self.qos.detach(stream)
+
+    def stream_idle(self, stream: str) -> bool:
+        """Nothing of this stream left to process here: its ring is closed and empty, and no frame of
+        it is in the scheduler, on a worker or in the output stage (results may still be waiting at
+        the publisher, in order before anything queued after this)."""
+        with self.acct.lock:
+            ring = self.rings.get(stream)
+            return (ring is None or ring.closed) and self.acct.held(stream, exclude=("publisher",)) == 0
+
+    # -- the core's step ---------------------------------------------------------------------------
+    def step(self, now: float) -> Optional[float]:
+        """Pull, schedule, dispatch. Returns when to step again at the latest (None: on a wake-up)."""
+        while self._timings:
+            self.scheduler.update(*self._timings.popleft())
+        self.slots.watchdog(now)
+        self.output.check_hung(now, self._batch_timeout_s)
+        self.output.check_alive()
+        workers = self.slots.workers
+        self.qos.step(now, busy_s=self.slots.busy_seconds(now), output_busy_s=self.output.busy_seconds(now),
+                      workers=len(workers))
+        wake_at = None
+        with self.acct.lock:
+            self._pull(now)
+            while (worker := self.slots.idle()) is not None:
+                plan = self.scheduler.schedule(now)
+                for fv in plan.dropped:
+                    self._drop(fv, DropReason.DEADLINE)
+                for fv in plan.superseded:
+                    self._drop(fv, DropReason.SUPERSEDED)
+                if not plan.batch:
+                    wake_at = plan.wake_at
+                    break
+                self._dispatch(worker, plan.batch, now)
+        self.drop_log.flush()
+        return wake_at
+
+    def _pull(self, now: float) -> None:
+        """Ledger lock held. An offline stream takes no more than its credit: results it has in the
+        pipeline and at the publisher are bounded, so a stalled subscriber stops only that stream."""
+        # a ring holds only its own stream's frames, so leaving out every ring is leaving out the stream's own
+        held = self.acct.held_by_stream(exclude_prefix="ring:") if any(not r.live for r in self.rings.values()) else None
+        for stream, ring in self.rings.items():
+            limit = None
+            if not ring.live:
+                limit = self._credit - held[stream]
+                if limit <= 0:
+                    continue
+            for fv in ring.take_ready(limit):
+                if ring.live and not self.qos.keep(stream):
+                    self._drop(fv, DropReason.INTERVAL)
+                    continue
+                if self._metrics:
+                    self._metrics.observe(self.name, "decode", fv.meta.decode_s)
+                    self._metrics.observe(self.name, "queue_wait", max(0.0, now - fv.meta.t_decoded))
+                fv.meta.extra["t_taken"] = now
+                self.scheduler.add(fv, deadline=fv.meta.deadline, now=now, key=fv.meta.stream)
+
+    def _dispatch(self, worker: WorkerThread, frames: list[FrameView], now: float) -> None:
+        if self._metrics:
+            for fv in frames:
+                self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
+        batch = Batch(self._next_batch, frames, t_dispatch=now, level=self.qos.level)
+        self._next_batch += 1
+        worker.submit(batch)
+
+    def _timing(self, batch_size: int, seconds: float) -> None:
+        self._timings.append((batch_size, seconds))
+
+    # -- drops, abort -------------------------------------------------------------------------
+    def _drop(self, fv: FrameView, reason: DropReason) -> None:
+        self.acct.drop(fv.meta.stream, reason)
+        self.drop_log.note(fv.meta.stream, reason)
+        fv.release()
+
+    def abort(self, *, drop: Optional[DropReason] = None, fail: Optional[FailReason] = None) -> None:
+        """Every frame this pool holds ends now: the rings' and the scheduler's, the batches on the
+        workers (their threads are abandoned) and the output stage's. Results already at the
+        publisher are left to it."""
+        end = (lambda fv: self.acct.drop(fv.meta.stream, drop)) if drop else (lambda fv: self.acct.fail(fv.meta.stream, fail))
+        with self.acct.lock:
+            frames = self.scheduler.remove(lambda fv: True)
+            for ring in self.rings.values():
+                ring.close()
+                frames += ring.take_ready()
+            frames += self.slots.take_all()
+            for fv in frames:
+                end(fv)
+                fv.release()
+        self.output.abort(drop=drop, fail=fail)

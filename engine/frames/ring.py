@@ -1,0 +1,293 @@
+"""Per-stream frame rings: a fixed number of preallocated slots, sized from a memory budget.
+
+All slots are allocated when the first frame's size is known. The decoder thread copies each
+decoded frame into a free slot (PyAV allocates its own output array and has no `out=`, so this
+is the one copy a frame gets); the worker reads the slot in place and releases it once its input
+batch is built. Slots are pinned when CUDA is available (pinning raises without a driver) so the
+upload is a DMA.
+
+live mode: when no slot is free, the oldest frame not yet taken by the scheduler is
+overwritten and counted as dropped(ring_full). offline mode: the writer waits (back-pressure).
+
+The ring's condition variable is built on its pool's ledger lock (`Accounting.lock`): a frame
+becomes READY and is counted as ingested in one critical section, and the engine core takes
+READY frames into the scheduler in another, so the pool's in-flight count (the ring holds its
+READY frames) is exact at every moment. The pixel copy happens outside the lock, into a slot
+the writer has reserved (WRITING), which no reader looks at.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from engine.frames.accounting import Accounting
+from engine.errors import SourceError
+from engine.frames.lifecycle import DropReason, FrameMeta
+from engine.frames.budget import FrameMemoryBudget
+
+
+class SlotState(Enum):
+    FREE = 0
+    WRITING = 1   # reserved by the writer while it copies pixels in (not a frame yet)
+    READY = 2     # holds a frame the scheduler has not taken (the ring holds it)
+    CLAIMED = 3   # taken by the scheduler or a worker (they hold the frame; the slot until released)
+
+
+@dataclass(slots=True)
+class FrameView:
+    """A frame in a ring slot. `pixels` is a (H, W, 3) uint8 RGB view, not a copy."""
+
+    meta: FrameMeta
+    pixels: torch.Tensor
+    ring: "FrameRing"
+    slot: int
+    released: bool = False
+
+    def release(self) -> None:
+        """Idempotent: a watchdog may release the slots of a hung batch that later releases them too."""
+        if not self.released:
+            self.released = True
+            self.ring.release(self.slot)
+
+    def __repr__(self) -> str:  # shapes, never pixels
+        return f"FrameView({self.meta.stream}#{self.meta.seq}, {tuple(self.pixels.shape)}, slot={self.slot})"
+
+
+_DROPPED = -1
+
+
+def slots_for(frame_bytes: int, memory_bytes: float, min_slots: int, max_slots: int) -> int:
+    """Slots that fit the budget, clamped to [min_slots, max_slots]."""
+    return int(min(max_slots, max(min_slots, memory_bytes // max(frame_bytes, 1))))
+
+
+class FrameRing:
+    """Bounded ring of frames for one stream, single producer, single consumer pool."""
+
+    def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
+                 min_slots: int, max_slots: int, max_frame_pixels: int,
+                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1,
+                 budget: Optional[FrameMemoryBudget] = None):
+        self.stream = stream
+        self._budget = budget  # the engine-wide frame memory (engine/frame_budget.py); None: unbounded
+        self.live = live
+        self.max_interval = max_interval  # the degradation ladder samples at most 1 frame in this many
+        self._acct = accounting
+        self._memory_bytes = memory_bytes
+        self._min_slots, self._max_slots = min_slots, max_slots
+        self._max_pixels = max_frame_pixels
+        self._notify = notify
+        self._pin = torch.cuda.is_available() if pin is None else pin
+        self._cond = threading.Condition(accounting.lock)
+        self._slots: list[Optional[torch.Tensor]] = []
+        self._arrays: list[Optional[np.ndarray]] = []
+        self._state: list[SlotState] = []
+        self._meta: list[Optional[FrameMeta]] = []
+        self._ready_order: list[int] = []  # READY slots, oldest first
+        self._closed = False
+        self._shape: tuple[int, int] = (0, 0)
+        self._limit = 0
+        self.overwrites = 0
+        self.reallocations = 0
+        # The live view's tap (engine/view/hub.py): offered each frame a worker has built its input
+        # from, before its slot is freed. None when the view is off.
+        self.tap: Optional[Callable[[FrameMeta, torch.Tensor], None]] = None
+
+    # -- producer side -------------------------------------------------------------------
+    def reserve_for(self, h: int, w: int) -> None:
+        """Reserve the slots for frames of h x w in the engine's frame budget now (a source that knows its
+        size before opening: the add is refused rather than the stream failed later). Raises SourceError."""
+        with self._cond:
+            self._reserve_bytes(h, w, slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+
+    def _reserve_bytes(self, h: int, w: int, n: int, held_old: int = 0) -> None:
+        """Reserve n slots of h x w, plus `held_old` bytes of slots still holding frames of an older size."""
+        if self._budget is not None:
+            what = f"{n} ring slots of {w}x{h} frames" + (" (and the older frames still held)" if held_old else "")
+            self._budget.reserve(self, self.stream, n * h * w * 3 + held_old, what)
+
+    def _held_old_bytes(self) -> int:
+        """Lock held: bytes of slots that hold arrays of another size than the stream's current one."""
+        return sum(a.nbytes for a in self._arrays if a is not None and a.shape[:2] != self._shape)
+
+    def _give_back(self) -> None:
+        """Lock held: a closed ring whose slots are all freed returns its reservation."""
+        if self._budget is not None and self._closed and all(a is None for a in self._arrays):
+            self._budget.release(self)
+
+    def _allocate(self, h: int, w: int) -> None:
+        n = slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots)
+        self._reserve_bytes(h, w, n)  # before anything is allocated: a refusal leaves the ring as it was
+        self._slots = [None] * n
+        self._arrays = [None] * n
+        self._state = [SlotState.FREE] * n
+        self._meta = [None] * n
+        self._shape, self._limit = (h, w), n
+        for i in range(n):  # preallocated up front: the ring's memory is fixed from its first frame on
+            self._slot_array(i, h, w)
+
+    def _resize(self, h: int, w: int) -> None:
+        """The stream's frame size changed: slots follow it one by one as they are reused, and the
+        number of usable slots is recomputed from the budget, so memory stays within it. Slots past
+        the new limit are freed as soon as they are released."""
+        limit = min(len(self._state), slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+        # Free slots are let go now (re-allocated at the new size when reused); slots holding a frame keep
+        # their old arrays until released, so the reservation covers those too until then. (Counting only
+        # the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
+        held_old = sum(a.nbytes for i, a in enumerate(self._arrays)
+                       if a is not None and self._state[i] is not SlotState.FREE)
+        self._reserve_bytes(h, w, limit, held_old)  # may not fit the engine's budget: refused before any change
+        self.reallocations += 1
+        self._shape = (h, w)
+        self._limit = limit
+        for i, state in enumerate(self._state):
+            if state is SlotState.FREE:
+                self._slots[i] = self._arrays[i] = None
+
+    def allocated_bytes(self) -> int:
+        with self._cond:
+            return sum(a.nbytes for a in self._arrays if a is not None)
+
+    def _slot_array(self, i: int, h: int, w: int) -> np.ndarray:
+        arr = self._arrays[i]
+        if arr is None or arr.shape[0] != h or arr.shape[1] != w:
+            self._slots[i] = self._arrays[i] = None  # free the old size first: never hold both
+            t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
+            self._slots[i], self._arrays[i] = t, t.numpy()
+            arr = self._arrays[i]
+        return arr
+
+    def _free_slot(self) -> Optional[int]:
+        for i in range(self._limit):
+            if self._state[i] is SlotState.FREE:
+                return i
+        return None
+
+    def write(self, meta: FrameMeta, rgb: np.ndarray, stop: Optional[threading.Event] = None) -> bool:
+        """Copy one (H, W, 3) uint8 frame into a slot. Returns False if the ring was closed (the frame
+        was then never ingested). Counts the frame as ingested. Live: never blocks. Offline: waits
+        for a free slot."""
+        h, w = int(rgb.shape[0]), int(rgb.shape[1])
+        if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
+            raise SourceError(self.stream, f"decoder produced {rgb.dtype} {tuple(rgb.shape)}, expected HxWx3 uint8")
+        if h * w > self._max_pixels:
+            raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
+                                           "raise it if this stream is really that large")
+        with self._cond:
+            i = self._reserve(h, w, stop)
+            if i is None:  # closed, or stopped while waiting for a slot: not ingested
+                return False
+            if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
+                return True
+            arr = self._slot_array(i, h, w)
+        np.copyto(arr, rgb)  # outside the lock: the slot is WRITING, nobody else reads it
+        with self._cond:
+            if self._closed:  # closed while copying: the frame never entered the pipeline
+                self._state[i] = SlotState.FREE
+                self._slots[i] = self._arrays[i] = None
+                self._give_back()
+                self._cond.notify_all()
+                return False
+            self._acct.ingest(self.stream)
+            meta.height, meta.width = h, w
+            meta.t_decoded = time.monotonic()
+            self._meta[i] = meta
+            self._state[i] = SlotState.READY
+            self._ready_order.append(i)
+        self._notify()
+        return True
+
+    def _reserve(self, h: int, w: int, stop: Optional[threading.Event]) -> Optional[int]:
+        """A slot marked WRITING for the next frame (lock held). None: closed or stopped. _DROPPED: live
+        and every slot is claimed; the new frame was counted as ingested and dropped(ring_full)."""
+        if not self._state:
+            self._allocate(h, w)
+        elif (h, w) != self._shape:
+            self._resize(h, w)
+        i = self._free_slot()
+        while i is None and not self._closed:
+            if self.live:
+                usable = [j for j in self._ready_order if j < self._limit]
+                if not usable:  # every slot is held by the scheduler/workers: the new frame is the one dropped
+                    self._acct.ingest(self.stream)
+                    self._acct.drop(self.stream, DropReason.RING_FULL)
+                    self.overwrites += 1
+                    return _DROPPED
+                i = usable[0]  # drop-oldest: the frame the scheduler has not taken yet
+                self._ready_order.remove(i)
+                self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
+                self._meta[i] = None
+                self.overwrites += 1
+                break
+            self._cond.wait(0.1)
+            if stop is not None and stop.is_set():
+                return None
+            i = self._free_slot()
+        if self._closed:
+            return None
+        self._state[i] = SlotState.WRITING
+        return i
+
+    def close(self) -> None:
+        """No more frames will come (end of stream or stop). Wakes a waiting writer. Free slots give
+        their memory back now, the others as they are released."""
+        with self._cond:
+            self._closed = True
+            for i, state in enumerate(self._state):
+                if state is SlotState.FREE:
+                    self._slots[i] = self._arrays[i] = None
+            self._give_back()
+            self._cond.notify_all()
+        self._notify()
+
+    # -- consumer side -------------------------------------------------------------------
+    def take_ready(self, limit: Optional[int] = None) -> list[FrameView]:
+        """Claim READY frames, oldest first (at most `limit`). The caller holds them from now on: call
+        with the pool's ledger lock held and put them in their next holder before releasing it."""
+        with self._cond:
+            take = self._ready_order if limit is None else self._ready_order[:max(0, limit)]
+            out = []
+            for i in take:
+                self._state[i] = SlotState.CLAIMED
+                out.append(FrameView(self._meta[i], self._slots[i], self, i))
+            del self._ready_order[:len(out)]
+            return out
+
+    def ready(self) -> int:
+        """Frames the ring holds (READY): its part of the pool's in-flight count."""
+        with self._cond:
+            return len(self._ready_order)
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._state[slot] = SlotState.FREE
+            self._meta[slot] = None
+            arr = self._arrays[slot]
+            if slot >= self._limit or self._closed:  # past the limit after a size change, or no more frames
+                self._slots[slot] = self._arrays[slot] = None
+                self._give_back()
+            elif arr is not None and arr.shape[:2] != self._shape:  # an older size: reallocated when reused
+                self._slots[slot] = self._arrays[slot] = None
+            if arr is not None and arr.shape[:2] != self._shape and not self._closed:
+                self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def capacity(self) -> int:
+        return len(self._state)
+
+    def held(self) -> int:
+        """Slots not free (READY, CLAIMED or being written)."""
+        with self._cond:
+            return sum(s is not SlotState.FREE for s in self._state)

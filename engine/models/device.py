@@ -1,0 +1,32 @@
+"""Device and dtype from a pool's config (`auto`, `cpu`, `cuda`; `auto`, `float32`, `bfloat16`)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str, key: str) -> torch.device:
+    """`auto` picks cuda when there is a GPU. `key` is the config key, for the error message.
+
+    Example: `resolve_device(cfg.device, "models.sam2.device")`.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"{key}: {device!r} is not a device; use 'auto', 'cpu' or 'cuda'")
+    if device == "cuda" or (device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{key}: 'cuda' asked for but no CUDA GPU is available; use 'auto' or 'cpu'")
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device, key: str) -> torch.dtype:
+    """`auto`: bfloat16 on cuda (tensor cores), float32 on cpu (bf16 is fast only on CPUs with AMX)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"{key}: {dtype!r} is not a dtype; use 'auto', {', '.join(map(repr, DTYPES))}")
+    return DTYPES[dtype]

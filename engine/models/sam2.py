@@ -1,0 +1,257 @@
+"""The SAM 2 pool: image-encoder worker instances (batched across streams) feeding one shared
+decoder stage (batched across every due (stream, object) pair). See sam2_tracker.py."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from pydantic import ValidationError
+
+from engine.config import MAX_OBJECT_ID, ObjectConfig, Sam2Config
+from engine.control.control_socket import need
+from engine.errors import ControlError
+from engine.sched.tuning import ThreadPlan, usable_cores
+from engine.models.base import PostProcessor, ModelRunner, time_batches
+from engine.models.preprocess import Preprocessor
+from engine.models.device import resolve_device
+from engine.models.registry import FAMILY_OPS, PoolSpec
+from engine.models.sam2_model import KEY, build_sam2_model, resized_model, sam2_contract
+from engine.models.sam2_tracker import TrackingStage, Prompt, encode, render, render_frame
+
+
+class Sam2EncoderRunner(ModelRunner):
+    """Stage (a): preprocess and encode frames; the features go on to the decoder stage.
+
+    Levels (set_level): 0 encodes at the configured image_size, i at degrade_sizes[i - 1]; the models
+    for those sizes share the main model's weights and are built at start (~0.4 s each for hiera-t
+    here), not on first use: the ladder steps down when the pool is overloaded, the worst moment
+    for a build to stall the worker.
+
+    Frames of a stream the decoder stage calls idle (nothing to track: `wanted` is False) are not
+    encoded; they reach the decoder stage with no features and are published with no objects.
+    """
+
+    kind = "sam2"
+    #: skip the encoder for idle streams (off only to measure what it saves)
+    skip_idle = True
+
+    def __init__(self, cfg: Sam2Config, *, model: torch.nn.Module | None = None, weights_tag: str | None = None,
+                 sized: dict[int, torch.nn.Module] | None = None):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device, f"{KEY}.device")
+        if model is None:
+            model, weights_tag = build_sam2_model(cfg.config, cfg.checkpoint, cfg.image_size, self.device)
+        self.model, self.weights_tag = model, weights_tag or "random"
+        self.sizes = [self.model.image_size, *cfg.degrade_sizes]
+        if sized is None:
+            sized = {s: resized_model(self.model, cfg.config, s) for s in cfg.degrade_sizes}
+        self.sized = sized  # other input sizes, shared with the decoder stage and the other instances
+        self.models = {self.model.image_size: self.model, **sized}
+        self.pres = {s: Preprocessor(sam2_contract(s), cfg.preprocess, self.device) for s in self.sizes}
+        self.pre = self.pres[self.model.image_size]
+        self.level = 0
+        self.wanted: Callable[[str], bool] = lambda stream: True  # set by build_pool: TrackingStage.wants_frames
+
+    def set_level(self, level: int) -> None:
+        if not 0 <= level < len(self.sizes):
+            raise ValueError(f"{KEY}: level {level} does not exist; levels 0..{len(self.sizes) - 1} are "
+                             f"image_size {self.sizes}")
+        self.level = level
+
+    def prepare(self, frames: Sequence) -> tuple[list[int], int, torch.Tensor | None]:
+        keep = [i for i, f in enumerate(frames) if not self.skip_idle or self.wanted(f.meta.stream)]
+        size = self.sizes[self.level]
+        x = self.pres[size]([frames[i].pixels for i in keep]) if keep else None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # uploads done: the ring slots may be reused
+        return keep, len(frames), x
+
+    def infer(self, inputs: tuple[list[int], int, torch.Tensor | None]) -> list[dict]:
+        keep, n, x = inputs
+        out: list[dict] = [{"_features": None} for _ in range(n)]
+        if x is not None:
+            for i, f in zip(keep, encode(self.models[x.shape[-1]], x)):
+                out[i] = {"_features": f}
+        return out
+
+    def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
+        c, h, w = self.pre.data_config["input_size"]
+        return time_batches(lambda x: encode(self.model, x), lambda b: torch.randn(b, c, h, w, device=self.device),
+                            batch_sizes, self.device)
+
+    def close(self) -> None:
+        self.model = None
+
+
+class Sam2PostProcessor(PostProcessor):
+    """The SAM 2 pool's output processor, run on its output thread (the one owner of the tracking
+    state): the shared decoder stage, then mask rendering, and the object control requests.
+
+    Frames of one stream inside one encoder batch are tracked in order (one "wave" per frame),
+    each wave one batched decoder call for all due pairs of all streams in it. All waves run on
+    staged state; `commit` installs it (see TrackingStage).
+    """
+
+    ops = FAMILY_OPS["sam2"]
+
+    def __init__(self, decoder: TrackingStage):
+        self.stage = decoder
+
+    def add_stream(self, stream: str) -> None:
+        self.stage.add_stream(stream)
+
+    def remove_stream(self, stream: str) -> None:
+        self.stage.remove_stream(stream)
+
+    def process(self, frames: Sequence, fields: list[dict]) -> tuple[list, Callable[[], None]]:
+        staged = self.stage.begin([fv.meta.stream for fv in frames])
+        events: list = []
+        out: list = [None] * len(frames)
+        for wave in _waves(frames):
+            wave = [i for i in wave if frames[i].meta.stream in staged]
+            batch = [(frames[i].meta.stream, fields[i]["_features"], (frames[i].meta.height, frames[i].meta.width))
+                     for i in wave]
+            tracked, ev = self.stage.track(staged, batch)
+            events += ev
+            for i, objs in zip(wave, tracked):
+                out[i] = _render_frame(objs, frames[i].meta.height, frames[i].meta.width)
+        for i, f in enumerate(out):
+            if f is None:  # its stream left the stage (removed): the output stage drops such frames first
+                out[i] = RuntimeError(f"stream {frames[i].meta.stream!r} is not tracked")
+        return out, lambda: self.stage.commit(staged, events)
+
+    def control(self, op: str, request: dict) -> dict:
+        if op == "add_object":
+            try:
+                o = ObjectConfig.model_validate({k: v for k, v in request.items() if k != "op"})
+            except ValidationError as err:
+                e = err.errors()[0]
+                raise ControlError(f"add_object: {'.'.join(map(str, e['loc'])) or 'request'}: {e['msg']}") from None
+            self.stage.add_object(o.stream, Prompt(o.id, box=o.box, points=o.points))
+        elif op == "remove_object":
+            oid = need(request, "id", int)
+            if not 0 <= oid <= MAX_OBJECT_ID:  # no such object can exist: say so, as add_object does
+                raise ControlError(f"remove_object: 'id' must be 0 <= id <= {MAX_OBJECT_ID}, got {oid}")
+            self.stage.remove_object(need(request, "stream", str), oid)
+        elif op == "reset_stream":
+            self.stage.reset_stream(need(request, "stream", str))
+        else:
+            raise ControlError(f"sam2: unknown op {op!r}")
+        return {}
+
+    def describe(self) -> dict[str, dict]:
+        return {s: {"objects": d["objects"] + d["pending"], "frame": d["frame"]} for s, d in self.stage.snapshot.items()}
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        return {"object_failures": dict(self.stage.object_failures)}
+
+    def events(self) -> list[tuple[str, str, str]]:
+        out = []
+        while self.stage.events:
+            out.append(self.stage.events.popleft())
+        return out
+
+
+def _waves(frames: Sequence) -> list[list[int]]:
+    """Indices per wave: the k-th frame of every stream in the batch goes into wave k."""
+    waves: list[list[int]] = []
+    seen: dict[str, int] = {}
+    for i, fv in enumerate(frames):
+        w = seen.get(fv.meta.stream, 0)
+        seen[fv.meta.stream] = w + 1
+        if w == len(waves):
+            waves.append([])
+        waves[w].append(i)
+    return waves
+
+
+#: render all of a frame's masks in one resize (render_frame); off only to measure what it saves
+BATCHED_RENDER = True
+
+
+def _render_frame(objs: list[dict], height: int, width: int) -> dict:
+    ok = [r for r in objs if "error" not in r]
+    fields = {"objects": render_frame(ok, height, width) if BATCHED_RENDER else [render(r, height, width) for r in ok]}
+    errors = [{"id": r["id"], "error": r["error"]} for r in objs if "error" in r]
+    if errors:
+        fields["errors"] = errors
+    return fields
+
+
+def sam2_thread_defaults(cores: int, device: torch.device | str) -> dict:
+    """Encoder instances, intra-op threads per encoder and decoder-stage threads for a SAM 2 pool whose
+    config leaves them unset: {"encoders": int, "threads": int | None, "decoder_threads": int | None}
+    (None: torch's default).
+
+    The encoders (worker threads) and the decoder stage (the output thread) run at the same time on
+    different frames. On the CPU each sets its own OpenMP team, and two teams of `cores` threads on
+    `cores` cores oversubscribe: a parallel op waits at its barrier for a thread the other team holds.
+    Measured here (2 cores, hiera-t at 256 px): with the cores busy, a (1, 1, 64, 64) -> 240x320
+    interpolate took 22 ms at 2 threads and 0.17 ms at 1; the decoder stage is hundreds of such small
+    ops per frame, and it scales poorly even on idle cores (2 objects: ~155 ms at 2 threads, ~225 ms
+    at 1), while the encoder's large GEMMs scale well (~150 ms at 2 threads, ~290 ms at 1). So: the
+    decoder stage gets one thread, one encoder instance gets all the cores (it uses the decoder's core
+    whenever the decoder waits). Whole-engine runs, 1 stream x 2 objects, (encoder, decoder) threads:
+    with another process holding ~1 core, (2, 1) took 599 ms/frame against 671-721 for (2, 2); on idle
+    cores the two were within noise (bench_sam2.py `levers`: (2, 1) / (2, 2) = 1.02, 1.05). A real
+    pipeline shares the cores with decoding and publishing, so the decoder stage gets one thread.
+    More cores are untested here: the decoder stage keeps one thread per 8 cores.
+    On a GPU the kernels run on the device: today's behaviour (one encoder, torch's default threads)
+    is kept; this choice is untested on a GPU.
+    """
+    if torch.device(device).type != "cpu":
+        return {"encoders": 1, "threads": None, "decoder_threads": None}
+    cores = max(1, cores)
+    decoder = max(1, cores // 8)
+    return {"encoders": 1, "threads": cores if cores <= 2 else cores - decoder, "decoder_threads": decoder}
+
+
+def _apply_thread_defaults(cfg: Sam2Config, device: torch.device, cores: Optional[int] = None) -> Sam2Config:
+    """cfg with encoders / threads / decoder_threads that the user left unset filled in for this machine."""
+    chosen = sam2_thread_defaults(cores or usable_cores(), device)
+    unset = {k: v for k, v in chosen.items() if k not in cfg.model_fields_set}
+    return cfg.model_copy(update=unset)
+
+
+def auto_plan(cfg: Sam2Config, *, cores: int, pools: int, live: bool) -> tuple[Sam2Config, ThreadPlan]:
+    """The engine's hook (workers/registry.py): the pool's share of the cores, as `sam2_thread_defaults`
+    divides it (one encoder instance whatever the streams' mode). Values the user gave are kept."""
+    share = max(1, cores // max(1, pools))
+    device = resolve_device(cfg.device, f"{KEY}.device")
+    given = cfg.model_fields_set & {"encoders", "threads", "decoder_threads"}
+    cfg = _apply_thread_defaults(cfg, device, share)  # model_copy(update=) marks them set: build_pool keeps them
+    decoder = cfg.decoder_threads or "torch's"
+    why = (f"{share} of {cores} core(s); {cfg.encoders} encoder instance(s), decoder stage {decoder} thread(s)"
+           + ("; given: " + ", ".join(sorted(given)) if given else ""))
+    return cfg, ThreadPlan(cfg.encoders, cfg.threads, why)
+
+
+def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
+               factory: Callable[[], ModelRunner] | None = None) -> PoolSpec:
+    """Encoder instances sharing one model, and the shared decoder stage as the output processor.
+    encoders / threads / decoder_threads left unset are chosen by `sam2_thread_defaults`."""
+    cfg = _apply_thread_defaults(cfg, resolve_device(cfg.device, f"{KEY}.device"))
+    if models is None:
+        first = Sam2EncoderRunner(cfg)
+
+        def more() -> ModelRunner:  # one model (and one per degrade size) for every instance
+            return Sam2EncoderRunner(cfg, model=first.model, weights_tag=first.weights_tag, sized=first.sized)
+        models = [first] + [more() for _ in range(cfg.encoders - 1)]
+        factory = factory or more
+    main = models[0]
+    decoder = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects)
+
+    def wire(w: ModelRunner) -> ModelRunner:
+        if isinstance(w, Sam2EncoderRunner):
+            w.wanted = decoder.wants_frames
+        return w
+    for w in workers:
+        wire(w)
+    rebuild = (lambda: wire(factory())) if factory is not None else None
+    sizes = getattr(main, "sizes", [cfg.image_size])
+    return PoolSpec("sam2", workers, rebuild, cfg.max_batch, cfg.threads,
+                    processor=Sam2PostProcessor(decoder), output_threads=cfg.decoder_threads,
+                    levels=[f"image_size={s}" for s in sizes],
+                    # the encoder's cost grows with the pixels: what the ladder expects a step up to cost
+                    level_costs=[(s / sizes[0]) ** 2 for s in sizes])
