@@ -41,13 +41,13 @@ import numpy as np
 import psutil
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.models.sam2_model import build_sam2_model, preprocess  # noqa: E402
 from engine.models.sam2_tracker import TrackingStage, Prompt, encode  # noqa: E402
 from tests.conftest import decode_all, write_clip  # noqa: E402
-from tests.sam2_ref import CONFIG, iou, make_checkpoint, reference_masks  # noqa: E402
+from tests.support.sam2_ref import CONFIG, iou, make_checkpoint, reference_masks  # noqa: E402
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -74,7 +74,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from engine.publish.client import Subscriber  # noqa: E402
@@ -83,7 +83,7 @@ from engine.core.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
 from engine.util.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
 from tests.conftest import write_clip  # noqa: E402
-from tests.media import corrupt_mdat  # noqa: E402
+from tests.support.media import corrupt_mdat  # noqa: E402
 
 log = logging.getLogger("soak")
 

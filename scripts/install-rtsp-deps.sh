@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the system GStreamer/RTSP packages needed by tests/rtsp_server.py
+# Install the system GStreamer/RTSP packages needed by tests/support/rtsp_server.py
 # (which runs under /usr/bin/python3, not the venv). No-op if already present.
 set -euo pipefail
 

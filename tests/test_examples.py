@@ -6,7 +6,7 @@ import sys
 import av
 
 from tests.conftest import write_clip
-from tests.sam2_ref import make_checkpoint
+from tests.support.sam2_ref import make_checkpoint
 
 
 def test_track_example_writes_annotated_video(tmp_path):

@@ -240,18 +240,18 @@ def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
         models = [first] + [more() for _ in range(cfg.encoders - 1)]
         factory = factory or more
     main = models[0]
-    decoder = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects)
+    stage = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects)
 
     def wire(w: ModelRunner) -> ModelRunner:
         if isinstance(w, Sam2EncoderRunner):
-            w.wanted = decoder.wants_frames
+            w.wanted = stage.wants_frames
         return w
-    for w in workers:
+    for w in models:
         wire(w)
     rebuild = (lambda: wire(factory())) if factory is not None else None
     sizes = getattr(main, "sizes", [cfg.image_size])
-    return PoolSpec("sam2", workers, rebuild, cfg.max_batch, cfg.threads,
-                    processor=Sam2PostProcessor(decoder), output_threads=cfg.decoder_threads,
+    return PoolSpec("sam2", models, rebuild, cfg.max_batch, cfg.threads,
+                    processor=Sam2PostProcessor(stage), output_threads=cfg.decoder_threads,
                     levels=[f"image_size={s}" for s in sizes],
                     # the encoder's cost grows with the pixels: what the ladder expects a step up to cost
                     level_costs=[(s / sizes[0]) ** 2 for s in sizes])

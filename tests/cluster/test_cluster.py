@@ -279,7 +279,7 @@ CAM_FPS = 10  # the classify streams' source rate
 def driver(cluster, tmp_path_factory):
     from engine.cluster.driver import ClusterDriver
     from engine.config import build_config
-    from tests.sam2_ref import make_checkpoint
+    from tests.support.sam2_ref import make_checkpoint
     ckpt = make_checkpoint(tmp_path_factory.mktemp("sam2") / "ck.pt")
     tree = {"streams": [{"id": f"cam{i}", "url": f"synthetic://shapes?size=96x64&fps={CAM_FPS}", "pools": ["classify"]}
                         for i in range(4)]

@@ -26,7 +26,7 @@ from engine.errors import ConfigError
 from engine.control.runtime import EXIT_DEAD, EXIT_OK, run
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port, wait_for
-from tests.test_e2e import Collector
+from tests.core.test_e2e import Collector
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,7 +72,7 @@ def test_object_ids_are_bounded_integers(oid, ok):
 def test_a_huge_object_id_is_refused_and_every_subscriber_keeps_receiving(tmp_path, endpoint):
     """The probe's request, through the control path the view's API uses: refused with a reply naming the
     key; the SAM 2 stream's results keep coming, and a valid object is tracked after it."""
-    from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "c.pt")
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
                         budget={"latency_ms": 3000},
@@ -517,7 +517,7 @@ def test_frame_memory_is_capped_engine_wide(endpoint, clip48):
 # -- 11. the README's CURVE snippet is a config that starts -----------------------------------------------
 def test_the_readme_curve_snippet_starts(tmp_path, monkeypatch, endpoint):
     from engine.security.keys import create_keys
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = readme.split("CURVE, in short:", 1)[1]
     snippet = re.search(r"```yaml\n(.*?)```", block, re.S).group(1)
     monkeypatch.chdir(tmp_path)

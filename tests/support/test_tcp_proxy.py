@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.tcp_proxy import FaultProxy
+from tests.support.tcp_proxy import FaultProxy
 
 
 class Echo:

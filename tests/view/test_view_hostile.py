@@ -399,7 +399,7 @@ def test_a_slow_control_client_cannot_starve_another(endpoint):
     """ZeroMQ REP, served by `control.serve`: clients that send a request and never read the reply, one
     that queues 200 requests without reading, and TCP connections that never finish ZeroMQ's greeting;
     a well-behaved client is still answered within its measured time."""
-    from tests.test_control import ControlServer, with_control
+    from tests.control.test_control import ControlServer, with_control
     cfg, ctl = with_control(engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint))
     eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()

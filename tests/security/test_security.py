@@ -15,7 +15,7 @@ from engine.errors import ConfigError
 from engine.security.keys import create_keys
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
-from tests.test_control import ControlServer, with_control
+from tests.control.test_control import ControlServer, with_control
 
 
 @pytest.fixture

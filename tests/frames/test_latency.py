@@ -19,9 +19,9 @@ from streams.base import DecodedFrame, Source
 from streams.pyav import FileSource
 from engine.frames.ingest import IngestThread
 from tests.conftest import engine_config, free_port, write_clip
-from tests.rtp_tap import RtpTap
-from tests.test_e2e import Collector
-from tests.test_rtsp import SERVER, SYSTEM_PY, require_server
+from tests.support.rtp_tap import RtpTap
+from tests.core.test_e2e import Collector
+from tests.streams.test_rtsp import SERVER, SYSTEM_PY, require_server
 
 FPS = 30
 BUDGET_S = 3 / FPS  # three frame intervals

@@ -8,7 +8,7 @@ import timm
 import torch
 
 from tests.conftest import engine_config
-from tests.test_e2e import Collector, run_engine
+from tests.core.test_e2e import Collector, run_engine
 
 CATS = {"tiger cat", "Egyptian cat", "tabby, tabby cat"}
 

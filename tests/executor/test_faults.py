@@ -9,7 +9,7 @@ from engine.core.engine import Engine
 from engine.control.runtime import EXIT_DEAD, run
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
-from tests.test_e2e import Collector
+from tests.core.test_e2e import Collector
 
 
 def wait(pred, timeout=20):

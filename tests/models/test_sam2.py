@@ -12,9 +12,9 @@ from engine.errors import ConfigError, WeightsError
 from engine.models.sam2_model import build_sam2_model, preprocess
 from engine.models.sam2_tracker import TrackingStage, Prompt, PromptError, encode, render
 from tests.conftest import decode_all, engine_config, write_clip
-from tests.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
+from tests.support.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
 from engine.core.engine import Engine
-from tests.test_e2e import Collector, run_engine
+from tests.core.test_e2e import Collector, run_engine
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
 N = 21  # 3 x num_maskmem

@@ -3,5 +3,5 @@
 from engine.models.registry import PoolSpec
 
 
-def build_pool(cfg, *, workers=None, factory=None):
-    return PoolSpec("null2", workers, factory, cfg.max_batch)
+def build_pool(cfg, *, models=None, factory=None):
+    return PoolSpec("null2", models, factory, cfg.max_batch)

@@ -13,7 +13,7 @@ from engine.core.engine import Engine
 from engine.control.runtime import EXIT_DEAD, StatusPrinter, run
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config
-from tests.test_e2e import Collector
+from tests.core.test_e2e import Collector
 
 
 def wait(pred, timeout=20):
@@ -211,8 +211,8 @@ def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
     from engine.models import registry
     proc = _StallOnce()
 
-    def with_processor(name, cfg, workers=None, factory=None):
-        spec = registry.build_pool(name, cfg, workers, factory)
+    def with_processor(name, cfg, models=None, factory=None):
+        spec = registry.build_pool(name, cfg, models, factory)
         spec.processor = proc
         return spec
     monkeypatch.setattr(engine_module, "build_pool", with_processor)
@@ -373,7 +373,7 @@ def test_admission_limit_on_streams(endpoint):
 def test_a_stream_feeds_only_its_pools(endpoint, pools, expect, monkeypatch):
     """streams[].pools picks the pools; the engine builds only the configured ones (families are plug-ins)."""
     from engine.models import registry
-    monkeypatch.setitem(registry.FAMILIES, "null2", "tests.null_family")
+    monkeypatch.setitem(registry.FAMILIES, "null2", "tests.support.null_family")
     from engine.config import ModelsConfig
     monkeypatch.setattr(ModelsConfig, "configured", lambda self: {"classify": self.classify, "null2": self.classify})
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=5", "mode": "offline"}],
@@ -445,7 +445,7 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
     The offline stream stops (credit: its frames wait in its ring, its decoder waits), and nothing of it
     is lost; the live stream is served as if alone: no late results, no drops but for its deadline."""
     from engine.publish.client import Subscriber
-    from tests.test_publisher import stuck_subscriber
+    from tests.publish.test_publisher import stuck_subscriber
     cfg = engine_config([{"id": "off", "url": "synthetic://shapes?size=64x48&fps=30&frames=2000", "mode": "offline"},
                          {"id": "live", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint,
                         budget={"latency_ms": 300}, publish={"hwm": 20, "queue_size": 32})

@@ -20,7 +20,7 @@ from engine.models.weights import read_state_dict
 from engine.models.device import resolve_device, resolve_dtype
 from engine.models.sam2 import Sam2EncoderRunner
 from engine.models.sam2_model import available_configs, official_checkpoints, sam2_contract
-from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
+from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
 
 CPU = torch.device("cpu")
 

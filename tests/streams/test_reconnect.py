@@ -12,8 +12,8 @@ import pytest
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port, write_clip
-from tests.tcp_proxy import FaultProxy
-from tests.test_rtsp import SERVER, SYSTEM_PY, require_server
+from tests.support.tcp_proxy import FaultProxy
+from tests.streams.test_rtsp import SERVER, SYSTEM_PY, require_server
 
 pytestmark = pytest.mark.rtsp
 

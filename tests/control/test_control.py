@@ -13,7 +13,7 @@ from engine.control.control_socket import handle, request, serve
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, free_port
-from tests.test_e2e import Collector
+from tests.core.test_e2e import Collector
 
 
 class ControlServer:
@@ -128,7 +128,7 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
 
 
 def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
-    from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "c.pt")
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
                         budget={"latency_ms": 2000},

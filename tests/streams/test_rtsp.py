@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import engine_config, free_port, write_clip
-from tests.test_e2e import Collector
+from tests.core.test_e2e import Collector
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
 
-SERVER = Path(__file__).with_name("rtsp_server.py")
+SERVER = Path(__file__).resolve().parents[1] / "support" / "rtsp_server.py"
 SYSTEM_PY = "/usr/bin/python3"
 
 

@@ -30,7 +30,7 @@ import pytest
 from engine.publish.client import Subscriber
 from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "engine" / "view" / "static"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 TOKEN = "browser-test-token-5f3a9c"
@@ -212,7 +212,7 @@ def test_rle_decoder_matches_pycocotools(browser):
 
 # -- 3. draw to track (SAM 2) ---------------------------------------------------------------------------
 def test_draw_to_track_adds_and_removes_objects(browser, tmp_path):
-    from tests.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "ck.pt")
     tree = {"streams": [{"id": "cam", "url": "synthetic://shapes?size=320x240&fps=5", "mode": "live"}],
             "models": {"sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE, "device": "cpu"}},

@@ -14,7 +14,7 @@ from engine.models.classify import ClassifierRunner
 from engine.models.base import PostProcessor
 from engine.models.noop import NoopRunner
 from tests.conftest import decode_all, engine_config, wait_for, write_clip
-from tests.test_classify import seeded_model, timm_reference
+from tests.models.test_classify import seeded_model, timm_reference
 
 
 class Collector:
@@ -46,7 +46,7 @@ class Collector:
 
 
 def run_engine(cfg, models=None, timeout=60):
-    eng = Engine(cfg, models=workers)
+    eng = Engine(cfg, models=models)
     eng.start()
     t_end = time.monotonic() + timeout
     while not eng.finished() and time.monotonic() < t_end:

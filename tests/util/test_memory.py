@@ -15,7 +15,7 @@ import pytest
 
 from engine.util.memory import _LIBC, heap_bytes, heap_stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 glibc = pytest.mark.skipif(_LIBC is None, reason="needs glibc's malloc")
 
 # 12 threads alive at once, each allocating frame-sized and small blocks, like decoder threads

@@ -6,8 +6,8 @@ import numpy as np
 
 from engine.models.noop import NoopRunner
 from tests.conftest import engine_config, write_clip
-from tests.media import corrupt_mdat, faststart
-from tests.test_e2e import Collector, run_engine
+from tests.support.media import corrupt_mdat, faststart
+from tests.core.test_e2e import Collector, run_engine
 
 
 def h264_raw(path, frames, size, seed=0):

@@ -18,7 +18,7 @@ from engine.frames.lifecycle import FrameMeta
 from engine.frames.ring import FrameRing
 from engine.models.classify import ClassifierRunner
 from tests.conftest import decode_all
-from tests.test_classify import rel_err, seeded_model, timm_reference, views
+from tests.models.test_classify import rel_err, seeded_model, timm_reference, views
 
 pytestmark = pytest.mark.gpu
 
