@@ -10,7 +10,7 @@ vs_predictor: Meta's SAM2VideoPredictor (propagate_in_video alone, frames preloa
    2 streams x 2 objects per step against two predictor runs; min IoU of vidar's masks against the
    predictor's. Targets: 1x2 <= 0.8, 2x2 <= 0.6, IoU >= 0.99. Each run also reports the CPU that
    other processes used meanwhile (these 2 cores are shared: a loaded run says so).
-levers: each speed lever alone, on against off in this run: decoder-stage threads, idle streams
+levers: each speed lever alone, on against off in this run: tracking-stage threads, idle streams
    not encoded, one-resize rendering, torch.compile of the memory attention (compile time and
    per-call time), bf16 autocast (CPU flags only: not measurable on this CPU).
 
@@ -18,7 +18,7 @@ levers: each speed lever alone, on against off in this run: decoder-stage thread
    512 px, 2 objects, steady state (banks full);
 2. vidar streaming vs Meta's offline SAM2VideoPredictor per frame, same clip, prompts and
    checkpoint (masks checked equal first: min IoU printed);
-3. batching: 2 streams x 2 objects through one shared decoder stage (one call for 4 pairs, one
+3. batching: 2 streams x 2 objects through one shared tracking stage (one call for 4 pairs, one
    encoder call for 2 frames) vs four separate single-object trackers;
 4. --memory N: one stream, one object, N frames at 256 px: bank entries and process RSS at
    frame 100 and at frame N.
@@ -41,13 +41,13 @@ import numpy as np
 import psutil
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.models.sam2_model import build_sam2_model, preprocess  # noqa: E402
 from engine.models.sam2_tracker import TrackingStage, Prompt, encode  # noqa: E402
-from tests.conftest import decode_all, write_clip  # noqa: E402
-from tests.support.sam2_ref import CONFIG, iou, make_checkpoint, reference_masks  # noqa: E402
+from engine.testing.clips import decode_all, write_clip  # noqa: E402
+from engine.testing.sam2_ref import CONFIG, iou, make_checkpoint, reference_masks  # noqa: E402
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -63,13 +63,13 @@ def sync():
 
 
 def step(stage, frames):
-    """One decoder-stage step (begin + track + commit: this benchmark is the stage's only owner).
+    """One tracking-stage step (begin + track + commit: this benchmark is the stage's only owner).
     The stage turns an object's exception into an error result and drops the object after a few,
     with an event, instead of raising: a benchmark that went on would time fewer objects, so stop."""
     res = stage.step(frames)
     errors = [(s, o) for (s, _, _), objs in zip(frames, res) for o in objs if "error" in o]
     if errors or stage.events:
-        raise SystemExit(f"decoder stage failed: errors {errors}, events {list(stage.events)}")
+        raise SystemExit(f"tracking stage failed: errors {errors}, events {list(stage.events)}")
     return res
 
 
@@ -114,7 +114,7 @@ def stages(model, size, frames):
     k = len(enc)
     return {"encoder_ms": med_ms(enc),
             **{f"{name}_ms": med_ms(list(v)[-k:]) for name, v in stage.stage_s.items()},
-            "decoder_stage_ms": med_ms(step), "objects": 2, "frames_timed": k}
+            "tracking_stage_ms": med_ms(step), "objects": 2, "frames_timed": k}
 
 
 def vs_offline(ckpt, model, frames, tmp):
@@ -142,8 +142,8 @@ def batching(model, fa, fb):
     sep_enc_frame = float(np.median(np.sum(sep_enc, axis=0)) * 1e3)
     sep_step_frame = float(np.median(np.sum(sep_step, axis=0)) * 1e3)
     return {"batched_calls_per_step_last5": calls,
-            "batched_encoder_ms_per_step": med_ms(enc_b), "batched_decoder_ms_per_step": med_ms(step_b),
-            "separate_encoder_ms_per_step": sep_enc_frame, "separate_decoder_ms_per_step": sep_step_frame,
+            "batched_encoder_ms_per_step": med_ms(enc_b), "batched_tracking_ms_per_step": med_ms(step_b),
+            "separate_encoder_ms_per_step": sep_enc_frame, "separate_tracking_ms_per_step": sep_step_frame,
             "speedup_total": (sep_enc_frame + sep_step_frame) / (med_ms(enc_b) + med_ms(step_b))}
 
 
@@ -301,11 +301,11 @@ def levers(ckpt, clips: dict, n: int, reps: int) -> dict:
     """Each lever alone, on vs off, side by side in this run."""
     from engine.models import sam2 as sam2_pool
     out, loads = {}, []
-    # 1. decoder stage on its own thread count: (encoder 2, decoder 1) vs today's (2, 2) threads
-    out["threads_decoder_1_vs_2"] = ab(lambda: engine_run(ckpt, {"a": clips["a"]}, n, threads=2, decoder_threads=2)[0],
-                                       lambda: engine_run(ckpt, {"a": clips["a"]}, n, threads=2, decoder_threads=1)[0],
+    # 1. tracking stage on its own thread count: (encoder 2, tracking 1) vs today's (2, 2) threads
+    out["threads_tracking_1_vs_2"] = ab(lambda: engine_run(ckpt, {"a": clips["a"]}, n, threads=2, tracking_threads=2)[0],
+                                       lambda: engine_run(ckpt, {"a": clips["a"]}, n, threads=2, tracking_threads=1)[0],
                                        reps, loads)
-    print("  threads:", out["threads_decoder_1_vs_2"], flush=True)
+    print("  threads:", out["threads_tracking_1_vs_2"], flush=True)
 
     # 2. idle streams not encoded: 2 streams, objects on "a" only
     def idle(skip):
@@ -330,7 +330,7 @@ def levers(ckpt, clips: dict, n: int, reps: int) -> dict:
 
 
 def render_lever(reps: int = 30) -> dict:
-    """render() per object vs render_frame() for a frame's 2 objects, on 1 thread (the decoder stage's)."""
+    """render() per object vs render_frame() for a frame's 2 objects, on 1 thread (the tracking stage's)."""
     from engine.util.threads import set_intra_op_threads
     from engine.models.sam2_tracker import render, render_frame
     before = torch.get_num_threads()
@@ -357,8 +357,8 @@ def render_lever(reps: int = 30) -> dict:
 
 
 def compile_lever(ckpt, steps: int = 6) -> dict:
-    """torch.compile (inductor) of the memory attention, the decoder stage's largest part: compile time
-    against the time it saves per call, 2 objects at steady state, 1 thread (the decoder stage's)."""
+    """torch.compile (inductor) of the memory attention, the tracking stage's largest part: compile time
+    against the time it saves per call, 2 objects at steady state, 1 thread (the tracking stage's)."""
     from engine.util.threads import set_intra_op_threads
     model = build_sam2_model(CONFIG, str(ckpt), 256, DEVICE)[0]
     before = torch.get_num_threads()

@@ -33,7 +33,7 @@ import av
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.publish.client import Subscriber  # noqa: E402

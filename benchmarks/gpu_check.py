@@ -3,7 +3,7 @@
     python3 benchmarks/gpu_check.py            # writes $OUT/gpu_check.json (or benchmarks/results/)
     python3 benchmarks/gpu_check.py --dry-run  # on the CPU: what can be checked without a GPU (below)
 
-1. the GPU tests (tests/test_gpu.py) with VIDAR_REQUIRE_GPU=1, so nothing passes by skipping;
+1. the GPU tests (tests/models/test_gpu.py) with VIDAR_REQUIRE_GPU=1, so nothing passes by skipping;
 2. ViT-L/16 (random weights) bf16 on the GPU: model-only latency per batch size, and the
    upload + preprocessing cost of 720p uint8 frames from pinned memory;
 3. vidar live on N synthetic 1280x720 60 fps streams at the 17 ms budget: goodput
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
@@ -45,13 +45,13 @@ def model_latency(results):
     import timm
     from engine.config import ClassifyConfig
     from engine.models.classify import ClassifierRunner
-    from engine.frames.ring import FrameView
+    from engine.frames.ref import LooseFrames
     w = ClassifierRunner(ClassifyConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
     for b in (1, 2, 4, 8):
         x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
         results[f"vitl_bf16_b{b}"] = timed(lambda: w.forward(x))
     frames = [torch.randint(0, 255, (720, 1280, 3), dtype=torch.uint8).pin_memory() for _ in range(8)]
-    views = [FrameView(None, f, None, i) for i, f in enumerate(frames)]
+    views = LooseFrames(frames).refs()
     results["prepare_720p_b8"] = timed(lambda: w.prepare(views))
     w.close()
 
@@ -92,7 +92,8 @@ def dry_run() -> None:
     the GPU steps import load, and the GPU test files exist. It proves nothing about the GPU paths."""
     from engine.security.binds import exposure_error
     from engine.frames.budget import total_memory_bytes
-    from engine.frames.ring import FrameView, slots_for  # noqa: F401  (model_latency's imports)
+    from engine.frames.ref import LooseFrames  # noqa: F401  (model_latency's imports)
+    from engine.frames.ring import slots_for
     from engine.models.classify import ClassifierRunner  # noqa: F401
     for n in (1, 4, 8):
         cfg = goodput_config(n)
@@ -100,7 +101,7 @@ def dry_run() -> None:
         r = cfg.ring
         need = n * slots_for(1280 * 720 * 3, r.memory_mb * 2**20, r.min_slots, r.max_slots) * 1280 * 720 * 3
         assert need <= total_memory_bytes(r.total_memory_mb), (n, need)
-    for test in ("tests/test_gpu.py", "tests/test_classify.py"):
+    for test in ("tests/models/test_gpu.py", "tests/models/test_classify.py"):
         assert (ROOT / test).is_file(), test
     print("gpu_check --dry-run: configs, imports and test files ok (no GPU path has run)")
 
@@ -115,7 +116,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device")
     env = dict(os.environ, VIDAR_REQUIRE_GPU="1")
-    t = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py", "tests/test_classify.py"],
+    t = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/models/test_gpu.py", "tests/models/test_classify.py"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     results["gpu_tests"] = {"rc": t.returncode, "tail": t.stdout[-2000:]}
     print(t.stdout[-1500:], flush=True)

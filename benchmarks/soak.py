@@ -3,7 +3,7 @@
 Runs the engine in-process with the real tiny classifier (timm test_vit, random weights,
 2 workers x 1 thread on the CPU, pool `classify`) on four live streams:
   cam0, cam1  synthetic://shapes 320x240 @ 15 fps
-  cam2        RTSP from Debian's GStreamer server (tests/rtsp_server.py --pattern), killed and
+  cam2        RTSP from Debian's GStreamer server (tests/support/rtsp_server.py --pattern), killed and
               restarted every --rtsp-restart-s (first at that minus 30 s); a third synthetic
               stream when the server is not installed (the JSON says so)
   bad0        a looping H.264 file with ~2 % of its payload bytes flipped: corrupt bursts every loop
@@ -74,7 +74,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import zmq  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine.publish.client import Subscriber  # noqa: E402
@@ -82,13 +82,12 @@ from engine.config import build_config  # noqa: E402
 from engine.core.engine import Engine  # noqa: E402
 from engine.errors import ModelError  # noqa: E402
 from engine.util.memory import heap_stats, limit_malloc_arenas, malloc_trim  # noqa: E402
-from tests.conftest import write_clip  # noqa: E402
-from tests.support.media import corrupt_mdat  # noqa: E402
+from engine.testing.clips import corrupt_mdat, write_clip  # noqa: E402
 
 log = logging.getLogger("soak")
 
 POOL = "classify"  # the pool the soak drives (models.classify; topic classify.<stream>)
-RTSP_SERVER = ROOT / "tests" / "rtsp_server.py"
+RTSP_SERVER = ROOT / "tests" / "support" / "rtsp_server.py"
 SYSTEM_PY = "/usr/bin/python3"
 IN_FLIGHT_BOUND = 200
 
@@ -147,7 +146,7 @@ def rtsp_available() -> tuple[bool, str]:
 
 
 class RtspServer:
-    """tests/rtsp_server.py --pattern on a fixed port, restartable (same URL for the engine)."""
+    """tests/support/rtsp_server.py --pattern on a fixed port, restartable (same URL for the engine)."""
 
     def __init__(self, port: int, logdir: Path, fps: int, size: str):
         self.port, self.logdir, self.fps, self.size = port, logdir, fps, size

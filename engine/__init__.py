@@ -1,18 +1,22 @@
-"""vidar engine: the data plane (rings, scheduler, workers, publisher) and its lifecycle.
+"""vidar's engine. The folders follow the runtime, from what a frame meets first to what talks to users:
 
-The folder follows the runtime:
-  config.py      typed config, the single source of truth
-  frame.py       a frame's metadata and its lifecycle (terminal states carry a reason)
-  accounting.py  per-stream counters: ingested == published + dropped + failed + in_flight
-  ring.py        bounded, preallocated per-stream frame rings (pinned when CUDA exists)
-  scheduler.py   pure earliest-deadline-first batch scheduler with an injected clock
-  latency.py     online latency model per batch size
-  pool.py        one model pool: pulls frames, asks the scheduler, runs the worker
-  workers/       one module per model family (classify = any timm classifier)
-  publisher.py   ZeroMQ publisher thread (never blocks the data plane in live mode)
-  engine.py      wires sources, rings, pools and the publisher; start/stop state machine
-  runtime.py     asyncio/uvloop control plane: signals, status line, offline completion
-  client.py      subscriber helper for users
+  frames/    a frame's life in memory: the per-stream ingest thread, rings and their slot storage,
+             fan-out, the ledger (ingested == published + dropped + failed + in flight)
+  sched/     pure policies with an injected clock: EDF batches, latency model, QoS ladder, faults, tuning
+  models/    model runners, one module per family (classify: any timm model; sam2; noop)
+  executor/  each pool: dispatch, worker threads and their watchdog, the output stage
+  publish/   what leaves: results and events over ZeroMQ, the subscriber helper, metrics
+  core/      the Engine facade, the one thread that owns the state, its typed requests, the stream table
+  control/   the control plane: asyncio runtime and the control socket
+  view/      the live view in a browser;  cluster/  the same config scaled out on Ray
+  cli.py     the `vidar` command, above everything
+  config.py  typed config, the single source of truth;  errors.py  the typed errors every package shares
+  security/  the rule every listening socket obeys, and CURVE keys;  util/  thread and memory helpers
+  testing/   helpers for tests and benchmarks (never imported by the engine)
+
+Which package may import which is a table in the README's Layout section, checked by tests/test_layout.py.
+Video sources and decoders are the sibling package `streams/`, which imports nothing of the engine but
+`engine.errors`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

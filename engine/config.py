@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine.errors import ConfigError
 
@@ -129,7 +129,7 @@ class Sam2Config(_Strict):
     image_size: int = Field(1024, ge=128, le=2048, multiple_of=32)
     """Encoder input size; 512 or 256 trade accuracy for speed (feature sizes follow: size / 16)."""
     encoders: int = Field(1, ge=1, le=16)
-    """Image-encoder instances in the pool (the decoder stage is one shared instance)."""
+    """Image-encoder instances in the pool (the tracking stage is one shared instance)."""
     max_batch: int = Field(4, ge=1, le=64)
     """Largest encoder batch (frames from any streams)."""
     preprocess: Literal["fast", "exact"] = "fast"
@@ -137,11 +137,15 @@ class Sam2Config(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available."""
     threads: Optional[int] = Field(None, ge=1)
-    """Intra-op threads per encoder instance on the CPU. Unset (with `encoders` and `decoder_threads`):
+    """Intra-op threads per encoder instance on the CPU. Unset (with `encoders` and `tracking_threads`):
     chosen for the machine's cores by engine.models.sam2.sam2_thread_defaults (logged at start)."""
-    decoder_threads: Optional[int] = Field(None, ge=1)
-    """Intra-op threads of the decoder stage (the pool's output thread: memory attention, mask decoder,
-    memory encoder) on the CPU; it runs beside the encoders, so the two share the cores. Unset: see `threads`."""
+    # "decoder" is video decoding only (one meaning per name); configs written before 0.2 said
+    # `decoder_threads`, which is still read as this key.
+    tracking_threads: Optional[int] = Field(None, ge=1,
+                                            validation_alias=AliasChoices("tracking_threads", "decoder_threads"))
+    """Intra-op threads of the tracking stage (the pool's output thread: memory attention, mask decoder,
+    memory encoder) on the CPU; it runs beside the encoders, so the two share the cores. Unset: see `threads`.
+    (`decoder_threads`, its name before 0.2, is read too.)"""
     max_objects: int = Field(32, ge=1, le=4096)
     """Admission limit: tracked objects (with pending prompts) across all streams; more are refused."""
     degrade_sizes: list[int] = []
@@ -387,11 +391,6 @@ def _strong_token(v: Optional[str]) -> Optional[str]:
     return v
 
 
-def _is_loopback(host: str) -> bool:  # kept for the view server's import; the rule lives in engine/binds.py
-    from engine.security.binds import is_loopback_host
-    return is_loopback_host(host)
-
-
 class ClusterPublishConfig(_Strict):
     endpoint: str = "tcp://127.0.0.1:5556"
     """The head's results endpoint (a ZeroMQ XSUB -> XPUB proxy over every engine): subscribers connect
@@ -545,7 +544,7 @@ class EngineConfig(_Strict):
         return self
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+def set_dotted(tree: dict, dotted: str, value: Any) -> None:
     """Set `a.b.0.c` in nested dicts/lists, creating dicts on the way."""
     parts = dotted.split(".")
     node: Any = tree
@@ -630,11 +629,11 @@ def build_config(tree: dict, *, source: str = "config", overrides: list[str] = (
     # on_cpu first, so an explicit --set still wins on a CPU machine
     if not cuda_available and isinstance(tree.get("on_cpu"), dict):
         for key, value in tree["on_cpu"].items():
-            _set_dotted(tree, key, value)
+            set_dotted(tree, key, value)
             applied.append(f"{key}={value}")
     for text in overrides:
         key, value = parse_override(text)
-        _set_dotted(tree, key, value)
+        set_dotted(tree, key, value)
     try:
         return EngineConfig.model_validate(tree), applied
     except ValidationError as err:

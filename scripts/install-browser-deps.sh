@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Debian's headless Chromium and its WebDriver for tests/test_view_browser.py (the live view in a
+# Install Debian's headless Chromium and its WebDriver for tests/view/test_view_browser.py (the live view in a
 # real browser; Selenium drives it). No-op if already present.
 set -euo pipefail
 

@@ -1,6 +1,6 @@
 """Reconnect policy of network streams: capped exponential backoff with jitter. Pure: no clock, no sleep.
 
-The runner asks for a pause after every failed open and after every ended session. The pause
+The ingest thread asks for a pause after every failed open and after every ended session. The pause
 doubles each time, up to `max_s`, and starts again from `initial_s` only after a session that
 delivered frames for `reset_after_s`: a server that accepts and closes at once (or sends two
 frames and hangs up) backs off exactly like one that refuses, instead of being hammered twice a

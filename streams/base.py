@@ -30,12 +30,12 @@ class DecodedFrame:
 class Source(ABC):
     """One stream. `frames()` yields decoded frames of one session (one open connection).
 
-    Sources do no pacing and no buffering: the runner decides when a frame counts as captured.
+    Sources do no pacing and no buffering: the ingest thread decides when a frame counts as captured.
     """
 
     #: network sources reconnect when their session ends; files and synthetic streams end
     network: bool = False
-    #: set by the runner before open: the consumer wants the freshest frames, not every frame
+    #: set by the ingest thread before open: the consumer wants the freshest frames, not every frame
     live: bool = False
     #: nominal frame rate, used to pace files in live mode (None: use pts only)
     fps: Optional[float] = None
@@ -59,7 +59,7 @@ class Source(ABC):
         """Release the session. Idempotent."""
 
     def cancel(self) -> None:
-        """Make a blocked open or read give up soon: called from another thread (the runner's stop) so a
+        """Make a blocked open or read give up soon: called from another thread (the ingest thread's stop) so a
         removed stream's decoder thread ends. The thread that reads still closes the source. Default:
         nothing to do (network reads are bounded by their timeouts; synthetic streams never block)."""
 

@@ -1,7 +1,7 @@
 """Files and network streams (RTSP, HTTP, RTMP, UDP, SRT, TCP) through PyAV (FFmpeg).
 
 Measured here (shared/STACK.md): when an RTSP server dies, PyAV's decode loop just ends as at
-end of file, so for network sources an ended loop is a disconnect (the runner reconnects),
+end of file, so for network sources an ended loop is a disconnect (the ingest thread reconnects),
 never an eos. A hung server is noticed only after about twice the read timeout, so a
 timeout is always passed. Corrupt packets are skipped and counted; FFmpeg resyncs at the
 next keyframe. Files go to FFmpeg as `file:` + an absolute path (never read as another protocol);
@@ -139,7 +139,7 @@ class _PyAVSource(Source):
                 break
             except (av.error.FFmpegError, OSError) as err:
                 # A demuxer that raised is finished (a read timeout, a reset connection, a truncated
-                # file): the session ends here, with its reason; the runner decides what follows.
+                # file): the session ends here, with its reason; the ingest thread decides what follows.
                 self.session_error = redact_url(str(err))
                 break
             got = _now()
@@ -181,7 +181,7 @@ class FileSource(_PyAVSource):
     that went quiet (a decoder thread nothing can end). Options weighed: refusing such paths breaks
     named pipes as live feeds; unblocking a stuck open by opening the FIFO for writing at removal
     still leaves reads unbounded. Regular-file reads on a hung network filesystem cannot be
-    interrupted either way; that case is not handled (the runner's reaping logs such a thread).
+    interrupted either way; that case is not handled (the ingest thread's reaping logs such a thread).
     """
 
     def __init__(self, stream_id: str, path: str, *, open_timeout_s: float = 5.0, read_timeout_s: float = 2.5,
@@ -280,7 +280,7 @@ class _PipeReader:
 class NetworkSource(_PyAVSource):
     """A network URL (rtsp, rtsps, http(s), rtmp, udp, srt, tcp): open and read timeouts always set.
 
-    When its session ends the runner reconnects. RTSP goes over TCP (no UDP loss).
+    When its session ends the ingest thread reconnects. RTSP goes over TCP (no UDP loss).
     """
 
     network = True

@@ -5,8 +5,8 @@ import sys
 
 import av
 
-from tests.conftest import write_clip
-from tests.support.sam2_ref import make_checkpoint
+from engine.testing.clips import write_clip
+from engine.testing.sam2_ref import make_checkpoint
 
 
 def test_track_example_writes_annotated_video(tmp_path):

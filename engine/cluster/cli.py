@@ -47,7 +47,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from engine.config import _set_dotted, build_config, parse_override
+    from engine.config import set_dotted, build_config, parse_override
     from engine.cluster.driver import run
     try:
         path = Path(args.config)
@@ -55,7 +55,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"config file {args.config!r} not found")
         tree = yaml.safe_load(path.read_text()) or {}
         for item in args.set:  # applied to the tree the engines get, not only to the head's copy
-            _set_dotted(tree, *parse_override(item))
+            set_dotted(tree, *parse_override(item))
         if args.address:
             tree.setdefault("cluster", {})["address"] = args.address
         cfg, _ = build_config(copy.deepcopy(tree), source=args.config)

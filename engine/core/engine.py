@@ -19,6 +19,7 @@ import zmq
 from engine.security.binds import exposure_error, exposure_warning
 from engine.config import EngineConfig
 from engine.core.loop import EngineCore
+from engine.core.requests import AddStream, Stop
 from engine.errors import ConfigError, ControlError, EngineDeadError
 from engine.frames.lifecycle import DropReason
 from engine.util.memory import limit_malloc_arenas
@@ -80,8 +81,8 @@ class Engine:
             self.curve = Curve(self._ctx or zmq.Context.instance(), cfg.security.server_key,
                                cfg.security.authorized_clients)
         if cfg.control.enabled:
-            from engine.control.control_socket import bind
-            self.control_socket = bind(cfg.control.endpoint, cfg.control.max_message_bytes, curve=self.curve,
+            from engine.security.sockets import bind_control_socket
+            self.control_socket = bind_control_socket(cfg.control.endpoint, cfg.control.max_message_bytes, curve=self.curve,
                                        ctx=self._ctx)
         self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
                                    on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
@@ -117,7 +118,7 @@ class Engine:
         self.core.start()
         for i, scfg in enumerate(cfg.streams):
             try:
-                self.core.call(self.table.add, scfg).result(30)
+                self.core.submit(AddStream(scfg)).result(30)
             except ControlError as err:  # refused as an add_stream would be: a config error here (exit 2)
                 raise ConfigError(f"streams.{i} ({scfg.id}): {str(err).removeprefix('add_stream: ')}") from None
         for o in cfg.objects:
@@ -137,7 +138,7 @@ class Engine:
     # -- run-time control -------------------------------------------------------------------------------
     def control(self, request: object, timeout: float = 10.0) -> dict:
         """One control request, as the control socket takes it; never raises (errors are replies)."""
-        from engine.control.control_socket import handle
+        from engine.core.ops import handle
         return handle(self, request, timeout)
 
     def pool_serving(self, op: str) -> Optional[Pool]:
@@ -213,7 +214,7 @@ class Engine:
         self.state = "stopping"
         t_end = time.monotonic() + self.cfg.shutdown_timeout_s
         if self.core is not None and self.core.alive:
-            self.core.call(self.core.begin_stop, drain)
+            self.core.submit(Stop(drain))
             if not self.core.join(self.cfg.shutdown_timeout_s + 2.0):
                 log.error("engine core did not stop in time")
         elif self.core is not None:  # the core died or never ran: this thread is the owner now

@@ -1,8 +1,9 @@
 """The engine core: one thread that owns the engine's state and drives the pools.
 
 As in vLLM's engine core, state has one owner and everything else sends it messages: the control
-socket, the CLI and `Engine.stop` call `call(fn)`, which queues `fn`; the core thread runs queued
-calls between steps, so adding or removing a stream never races a batch being formed. A step:
+socket, the CLI and `Engine.start`/`Engine.stop` call `submit(request)` with a typed request
+(engine/core/requests.py: AddStream, RemoveStream, Stop), which queues it; the core thread applies
+queued requests between steps, so adding or removing a stream never races a batch being formed. A step:
 apply messages; for each pool, pull ready frames, schedule, dispatch, watchdog; queue the eos of
 streams that are done; check the fault policy. Sockets, decoding and models run on other threads.
 
@@ -19,11 +20,12 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, get_args
 
 from engine.errors import ControlError
 from engine.frames.lifecycle import DropReason, FailReason
 from engine.executor.pool import Pool
+from engine.core.requests import AddStream, CoreRequest, RemoveStream, Stop
 from engine.core.stream_table import StreamTable
 from engine.util.threads import OwnThread, settle
 
@@ -40,7 +42,7 @@ class EngineCore(OwnThread):
         # (then the engine dies, loudly, exit 3). Pools check their own workers and output stage in step().
         self._supervised = tuple(supervised)
         self._shutdown_timeout_s, self._clock = shutdown_timeout_s, clock
-        self._inbox: deque = deque()
+        self._inbox: deque = deque()  # (CoreRequest, Future): applied between steps, in the order they came
         self._wake = threading.Event()
         self.state = "created"   # running -> draining -> stopped
         self._drain_until: Optional[float] = None
@@ -56,14 +58,15 @@ class EngineCore(OwnThread):
     def wake(self) -> None:
         self._wake.set()
 
-    def call(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """Run fn(*args) on the core thread between steps. If fn returns a Future, the returned future
-        follows it (e.g. a removal that completes when the stream's eos is queued)."""
+    def submit(self, request: CoreRequest) -> Future:
+        """Apply `request` on the core thread between steps; its result (or ControlError) lands in the
+        returned future, which may resolve later (a removal completes when the stream's eos is queued).
+        A caller that gives up may cancel it: a request not applied yet is then never applied."""
         fut: Future = Future()
         if not self._thread.is_alive() and self.state != "created":
             fut.set_exception(ControlError(f"the engine core is not running ({self.dead or self.state})"))
             return fut
-        self._inbox.append((fn, args, fut))
+        self._inbox.append((request, fut))
         self._wake.set()
         return fut
 
@@ -90,11 +93,11 @@ class EngineCore(OwnThread):
 
     def _apply_messages(self) -> None:
         while self._inbox:
-            fn, args, fut = self._inbox.popleft()
+            req, fut = self._inbox.popleft()
             if fut.cancelled():  # its caller timed out and was told so
                 continue
             try:
-                out = fn(*args)
+                out = self._apply(req)
             except Exception as err:  # the caller gets it; the core goes on
                 settle(fut, exc=err)
                 continue
@@ -104,9 +107,21 @@ class EngineCore(OwnThread):
             else:
                 settle(fut, out)
 
+    def _apply(self, req: CoreRequest) -> object:
+        """One request, on the core thread: its handler's result, or a Future the caller's follows."""
+        match req:
+            case AddStream():
+                return self.table.add(req.cfg)  # later if the same id is still being removed
+            case RemoveStream():
+                return self.table.remove(req.stream, req.reason)  # resolves when its eos is queued
+            case Stop():
+                return self.begin_stop(req.drain)
+        raise ControlError(f"the engine core does not take a {type(req).__name__} request; it takes "
+                           f"{', '.join(t.__name__ for t in get_args(CoreRequest))}")
+
     def _fail_pending_messages(self) -> None:
         while self._inbox:
-            _, _, fut = self._inbox.popleft()
+            _, fut = self._inbox.popleft()
             settle(fut, exc=ControlError(f"the engine core stopped ({self.dead or 'shutdown'})"))
 
     def _check_dead(self) -> None:
@@ -130,7 +145,7 @@ class EngineCore(OwnThread):
 
     # -- shutdown -------------------------------------------------------------------------------------
     def begin_stop(self, drain: bool) -> None:
-        """Core thread (via call): stop the decoders; drain for up to shutdown_timeout_s, or abort now."""
+        """Core thread (a Stop request): stop the decoders; drain for up to shutdown_timeout_s, or abort now."""
         if self.state != "running":
             return
         self.state = "draining"

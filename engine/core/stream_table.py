@@ -1,8 +1,9 @@
 """The engine's streams: each one's rings (one per pool it feeds), decoder thread, and lifecycle.
 
 Owned by the engine core thread: `add`, `remove`, `poll` and `stop_all` run only there (other
-threads ask through `EngineCore.call`), so a removal can never race a batch in flight. Other
-threads read `snapshot()` (a list copy) for status lines and metrics.
+threads send the core an AddStream or a RemoveStream request through `EngineCore.submit`), so a
+removal can never race a batch in flight. Other threads read `snapshot()` (a list copy) for status
+lines and metrics.
 
 A stream's eos is queued at the publisher once no pool it feeds holds any of its frames (its
 rings are closed and empty, nothing in a scheduler, on a worker or in an output stage), so it

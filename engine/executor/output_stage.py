@@ -3,15 +3,18 @@
 Workers hand finished batches here and go back to work. This thread, in dispatch order:
 reorders batches (several workers finish out of order; each stream's results leave in order),
 fails the frames of failed batches, drops frames of removed streams and live frames already
-past their deadline, runs the family's output processor (SAM 2's shared decoder stage and mask
+past their deadline, runs the family's output processor (SAM 2's shared tracking stage and mask
 rendering), drops what finished late, and queues the rest at the publisher, which never blocks.
-It also applies the processor's control requests (add_object, ...) between batches: the
-processor's state has this thread as its one owner.
+It also runs the requests queued for the processor (messages.py: StreamAdded, StreamRemoved,
+ProcessorControl) between batches: the processor's state has this thread as its one owner.
+What goes back to the pool are messages too: the drops it counts go to the pool's DropLog, and
+the (batch size, seconds) timings wait in a bounded queue the pool's step drains (take_timings).
 
 The engine core's watchdog covers it: a batch whose output step runs past `batch_timeout_s` fails
-(model_hang) and a fresh thread takes over the stage. Every thread carries a generation number
-and commits anything (processor state, frames' terminal states) only under the ledger lock and
-only while its generation is current, so a hung thread that wakes up later changes nothing.
+(model_hang) and a fresh thread takes over the stage. Every thread works under a generation of
+the stage's Fence (fence.py) and commits anything (processor state, frames' terminal states)
+only under the ledger lock and only while its generation is current, so a hung thread that wakes
+up later changes nothing.
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 from engine.frames.accounting import Accounting
+from engine.frames.drop_log import DropLog
 from engine.util.threads import BusyTime
-from engine.executor.worker_thread import BatchResult
+from engine.executor.fence import Fence
+from engine.executor.messages import BatchResult, OutputRequest, ProcessorControl, StreamAdded, StreamRemoved
 from engine.util.threads import set_intra_op_threads
 from engine.sched.faults import FaultPolicy
 from engine.frames.lifecycle import DropReason, FailReason
@@ -37,23 +42,23 @@ log = logging.getLogger("vidar.output")
 
 class OutputStage:
     def __init__(self, pool: str, *, weights: str, acct: Accounting, publisher: Publisher,
-                 faults: FaultPolicy, processor: Optional[PostProcessor] = None,
-                 on_timing: Callable[[int, float], None] = lambda b, s: None,
-                 on_drop: Callable[[str, DropReason], None] = lambda s, r: None,
+                 faults: FaultPolicy, drop_log: DropLog, processor: Optional[PostProcessor] = None,
                  clock: Callable[[], float] = time.monotonic, threads: Optional[int] = None):
         self.pool, self.weights = pool, weights
-        self._threads = threads  # intra-op threads of this stage's thread (SAM 2's decoder stage)  # the pool's name is its results' type and topic
+        self._threads = threads  # intra-op threads of this stage's thread (SAM 2's tracking stage)  # the pool's name is its results' type and topic
         self._acct, self._publisher, self._faults, self.processor = acct, publisher, faults, processor
-        self._on_timing, self._on_drop, self._clock = on_timing, on_drop, clock
+        self._drop_log = drop_log  # the pool's: it notes the drops here, the pool's step flushes it
+        self._clock = clock
         # everything below is guarded by the ledger lock (acct.lock)
         self._inbox: deque[BatchResult] = deque()
         self._reorder: dict[int, BatchResult] = {}
         self._current: Optional[BatchResult] = None
         self._next = 0                    # batch id to publish next
         self._streams: set[str] = set()   # streams whose frames are processed; others are dropped
-        self._messages: deque = deque()   # (fn, future): run between batches on this stage's thread
-        self._gen = 0
-        # read by the core for the pool's busy share: SAM 2's decoder stage runs here, not on a worker
+        self._requests: deque = deque()   # (OutputRequest, Future): run between batches on this stage's thread
+        self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done), for the pool
+        self._fence = Fence()             # a thread commits only while its generation is current
+        # read by the core for the pool's busy share: SAM 2's tracking stage runs here, not on a worker
         self._busy = BusyTime(self._clock)
         self._stop = False
         self._wake = threading.Event()
@@ -64,7 +69,8 @@ class OutputStage:
 
     # -- other threads ---------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, args=(self._gen,), name=f"output-{self.pool}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(self._fence.ticket(),), name=f"output-{self.pool}",
+                                        daemon=True)
         self._thread.start()
 
     def submit(self, res: BatchResult) -> None:
@@ -72,27 +78,35 @@ class OutputStage:
         self._inbox.append(res)
         self._wake.set()
 
-    def post(self, fn: Callable[[], object]) -> Future:
-        """Run `fn` on this stage's thread between batches (the processor's owner); its result or
-        exception lands in the future."""
+    def request(self, req: OutputRequest) -> Future:
+        """Run a request on this stage's thread between batches (the processor's owner); its reply
+        (ProcessorControl: the reply's extra fields) or exception lands in the future."""
         fut: Future = Future()
         with self._acct.lock:
-            self._messages.append((fn, fut))
+            self._requests.append((req, fut))
         self._wake.set()
         return fut
+
+    def take_timings(self) -> list[tuple[int, float]]:
+        """Core thread: the (batch size, seconds dispatch -> output done) of the batches published since
+        the last call, oldest first (the scheduler's latency model learns from them)."""
+        out = []
+        while self._timings:  # deque pops are atomic: the stage's thread may append meanwhile
+            out.append(self._timings.popleft())
+        return out
 
     def add_stream(self, stream: str) -> None:
         with self._acct.lock:
             self._streams.add(stream)
         if self.processor is not None:
-            self.post(lambda: self.processor.add_stream(stream))
+            self.request(StreamAdded(stream))
 
     def remove_stream(self, stream: str) -> None:
         """From now on the stream's frames are dropped here (stream_removed); its processor state goes."""
         with self._acct.lock:
             self._streams.discard(stream)
         if self.processor is not None:
-            self.post(lambda: self.processor.remove_stream(stream))
+            self.request(StreamRemoved(stream))
 
     def _held(self) -> Counter:
         n: Counter = Counter()
@@ -116,7 +130,7 @@ class OutputStage:
             res, since = self._current, self.busy_since
             if res is None or since is None or now - since <= timeout_s:
                 return False
-            self._gen += 1
+            self._fence.end()
             self._current = None
             self._busy.end()
             for fv in _pending(res):
@@ -141,7 +155,7 @@ class OutputStage:
             if self._stop or thread is not self._thread:
                 return False
             res, self._current = self._current, None
-            self._gen += 1
+            self._fence.end()
             self._busy.end()
             if res is not None:
                 for fv in _pending(res):
@@ -158,7 +172,7 @@ class OutputStage:
         """Shutdown or engine death: every frame this stage holds ends now (dropped or failed). The
         running thread's generation ends too: what it finishes is ignored."""
         with self._acct.lock:
-            self._gen += 1
+            self._fence.end()
             held = [*self._inbox, *self._reorder.values(), *([self._current] if self._current else [])]
             self._inbox.clear()
             self._reorder.clear()
@@ -191,16 +205,16 @@ class OutputStage:
     def _loop(self, gen: int) -> None:
         set_intra_op_threads(self._threads)
         while True:
-            self._run_messages(gen)
+            self._run_requests(gen)
             with self._acct.lock:
-                if gen != self._gen:
+                if not self._fence.admits(gen):
                     return
                 while self._inbox:
                     res = self._inbox.popleft()
                     self._reorder[res.batch.id] = res
                 res = self._reorder.pop(self._next, None)
                 if res is None:
-                    if self._stop and not self._messages:
+                    if self._stop and not self._requests:
                         return
                     self._wake.clear()
                 else:
@@ -216,17 +230,29 @@ class OutputStage:
                 self._fail_current(res, gen, FailReason.OUTPUT_ERROR, err)
             self._emit_events()
 
-    def _run_messages(self, gen: int) -> None:
+    def _run_requests(self, gen: int) -> None:
         while True:
             with self._acct.lock:
-                if gen != self._gen or not self._messages:
+                if not self._fence.admits(gen) or not self._requests:
                     return
-                fn, fut = self._messages.popleft()
+                req, fut = self._requests.popleft()
             try:
-                fut.set_result(fn())
+                fut.set_result(self._apply(req))
             except BaseException as err:  # the caller gets it; the stage goes on
                 fut.set_exception(err)
             self._emit_events()
+
+    def _apply(self, req: OutputRequest) -> object:
+        """One request, on this stage's thread."""
+        if isinstance(req, ProcessorControl):
+            if self.processor is None:
+                raise NotImplementedError(f"pool {self.pool} has no output processor for {req.op}")
+            return self.processor.control(req.op, req.request)
+        if isinstance(req, StreamAdded):
+            return self.processor.add_stream(req.stream) if self.processor is not None else None
+        if isinstance(req, StreamRemoved):
+            return self.processor.remove_stream(req.stream) if self.processor is not None else None
+        raise TypeError(f"output stage: unknown request {req!r}")
 
     def _emit_events(self) -> None:
         """The processor's events (a prompt rejected, an object dropped), after the results before them."""
@@ -236,7 +262,7 @@ class OutputStage:
 
     def _fail_current(self, res: BatchResult, gen: int, reason: FailReason, err: BaseException) -> None:
         with self._acct.lock:
-            if gen != self._gen or self._current is not res:
+            if not self._fence.admits(gen) or self._current is not res:
                 return
             for fv in _pending(res):
                 self._acct.fail(fv.meta.stream, reason)
@@ -267,7 +293,7 @@ class OutputStage:
         now = self._clock()
         keep = []
         with self._acct.lock:
-            if gen != self._gen:
+            if not self._fence.admits(gen):
                 return None
             for i, fv in enumerate(res.frames):
                 if fv.meta.stream not in self._streams:
@@ -282,14 +308,14 @@ class OutputStage:
         """Ledger lock held. The frame stays in the batch list (indices stay valid) but is marked done."""
         fv = res.frames[i]
         self._acct.drop(fv.meta.stream, reason)
-        self._on_drop(fv.meta.stream, reason)
+        self._drop_log.note(fv.meta.stream, reason)
         res.frames[i] = _Done(fv.meta)
 
     def _publish(self, res: BatchResult, gen: int, keep: list[int], fields: list, commit: Callable[[], None]) -> None:
         now = self._clock()
         items, failed = [], []
         with self._acct.lock:
-            if gen != self._gen:
+            if not self._fence.admits(gen):
                 return  # replaced by the watchdog: this thread's work is void
             commit()
             for i, f in zip(keep, fields):
@@ -299,7 +325,7 @@ class OutputStage:
                     failed.append(f)
                 elif fv.meta.live and now > fv.meta.deadline:
                     self._acct.drop(fv.meta.stream, DropReason.LATE)  # the model ran long: never publish late
-                    self._on_drop(fv.meta.stream, DropReason.LATE)
+                    self._drop_log.note(fv.meta.stream, DropReason.LATE)
                 else:
                     items.append((fv.meta, self.pool, self.weights, f))
             self._current = None
@@ -307,7 +333,7 @@ class OutputStage:
             self._next += 1
             self._publisher.submit_results(self._acct, items)
         if keep:
-            self._on_timing(len(res.frames), now - res.batch.t_dispatch)
+            self._timings.append((len(res.frames), now - res.batch.t_dispatch))
         for err in failed:
             log.error("pool %s: output of a frame failed: %s: %s", self.pool, type(err).__name__, err)
             self._faults.record(f"output_error: {type(err).__name__}: {err}")

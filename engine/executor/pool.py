@@ -1,5 +1,5 @@
 """One model pool: its rings, a pure scheduler, its worker slots (worker_slots.py: the worker
-threads and their watchdog) and its output stage (output.py).
+threads and their watchdog) and its output stage (output_stage.py).
 
 The pool has no thread of its own for scheduling: the engine core thread (its one owner) calls
 `step(now)`, which takes ready frames from the rings into the scheduler, drops the frames that
@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Callable, Optional
 
 from engine.frames.accounting import Accounting
 from engine.config import FaultsConfig, QosConfig
 from engine.frames.drop_log import DropLog
-from engine.executor.worker_thread import Batch, WorkerThread
+from engine.executor.messages import Batch
+from engine.executor.worker_thread import WorkerThread
 from engine.sched.faults import FaultPolicy
 from engine.frames.lifecycle import DropReason, FailReason
 from engine.sched.latency import LatencyModel
@@ -30,7 +31,8 @@ from engine.publish.metrics import Metrics
 from engine.executor.output_stage import OutputStage
 from engine.publish.publisher import Publisher
 from engine.sched.qos import PoolQos
-from engine.frames.ring import FrameRing, FrameView
+from engine.frames.ref import FrameRef
+from engine.frames.ring import FrameRing
 from engine.sched.scheduler import EdfScheduler
 from engine.util.threads import intra_op_threads
 from engine.executor.worker_slots import WorkerSlots
@@ -51,17 +53,17 @@ class Pool:
         self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
         self._batch_timeout_s, self._credit, self._metrics = faults.batch_timeout_s, credit, metrics
         self.rings: dict[str, FrameRing] = {}
-        self._timings: deque = deque(maxlen=1024)  # (batch size, seconds dispatch -> output done)
         self._next_batch = 0
         self.drop_log = DropLog(spec.name, self.acct.lock)
         self.output = OutputStage(spec.name, weights=spec.models[0].weights_tag, acct=self.acct,
-                                  publisher=publisher, faults=self.faults, processor=spec.processor,
-                                  on_timing=self._timing, on_drop=self.drop_log.note, clock=clock,
-                                  threads=spec.output_threads)
+                                  publisher=publisher, faults=self.faults, drop_log=self.drop_log,
+                                  processor=spec.processor, clock=clock, threads=spec.output_threads)
         self.slots = WorkerSlots(spec, acct=self.acct, output=self.output, batch_timeout_s=faults.batch_timeout_s,
                                  metrics=metrics, wake=wake, clock=clock, faults=self.faults)
         self.acct.add_holder("scheduler", self.scheduler.count_by_key)
         self.acct.add_holder("publisher", lambda: publisher.held(spec.name))
+        # emit stays a callable: engine.sched is pure and may not import the publisher, and an event is
+        # sent out of the pool (to subscribers), not handed between its threads
         self.qos = PoolQos(spec.name, qos or QosConfig(), self.acct, levels=spec.levels, level_costs=spec.level_costs,
                            emit=lambda stream, kind, reason, fields: publisher.submit_event(
                                stream, kind, reason, fields=lambda: dict(fields)))
@@ -128,8 +130,8 @@ class Pool:
     # -- the core's step ---------------------------------------------------------------------------
     def step(self, now: float) -> Optional[float]:
         """Pull, schedule, dispatch. Returns when to step again at the latest (None: on a wake-up)."""
-        while self._timings:
-            self.scheduler.update(*self._timings.popleft())
+        for batch_size, seconds in self.output.take_timings():
+            self.scheduler.update(batch_size, seconds)
         self.slots.watchdog(now)
         self.output.check_hung(now, self._batch_timeout_s)
         self.output.check_alive()
@@ -170,22 +172,19 @@ class Pool:
                 if self._metrics:
                     self._metrics.observe(self.name, "decode", fv.meta.decode_s)
                     self._metrics.observe(self.name, "queue_wait", max(0.0, now - fv.meta.t_decoded))
-                fv.meta.extra["t_taken"] = now
+                fv.t_queued = now
                 self.scheduler.add(fv, deadline=fv.meta.deadline, now=now, key=fv.meta.stream)
 
-    def _dispatch(self, worker: WorkerThread, frames: list[FrameView], now: float) -> None:
+    def _dispatch(self, worker: WorkerThread, frames: list[FrameRef], now: float) -> None:
         if self._metrics:
             for fv in frames:
-                self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.meta.extra.get("t_taken", now)))
+                self._metrics.observe(self.name, "batch_wait", max(0.0, now - fv.t_queued))
         batch = Batch(self._next_batch, frames, t_dispatch=now, level=self.qos.level)
         self._next_batch += 1
         worker.submit(batch)
 
-    def _timing(self, batch_size: int, seconds: float) -> None:
-        self._timings.append((batch_size, seconds))
-
     # -- drops, abort -------------------------------------------------------------------------
-    def _drop(self, fv: FrameView, reason: DropReason) -> None:
+    def _drop(self, fv: FrameRef, reason: DropReason) -> None:
         self.acct.drop(fv.meta.stream, reason)
         self.drop_log.note(fv.meta.stream, reason)
         fv.release()

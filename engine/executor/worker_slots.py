@@ -2,9 +2,10 @@
 
 A slot runs one batch at a time (executor.WorkerThread). The engine core dispatches to an idle
 slot; the worker thread hands the finished batch to the output stage through `_completed`,
-which accepts it only while that batch is still the slot's `current`. A batch that outruns
-`faults.batch_timeout_s` is failed by the watchdog (model_hang) and its slot gets a fresh thread
-with a rebuilt instance; the hung thread is abandoned and nothing it finishes later is accepted.
+which accepts it only while the thread's generation of the slot's Fence (fence.py) is current.
+A batch that outruns `faults.batch_timeout_s` is failed by the watchdog (model_hang), which ends
+that generation, and its slot gets a fresh thread (the next generation) with a rebuilt instance;
+nothing the hung thread finishes later is accepted.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from collections import Counter
 from typing import Callable, Optional
 
 from engine.frames.accounting import Accounting
-from engine.executor.worker_thread import BatchResult, WorkerThread
+from engine.executor.fence import Fence
+from engine.executor.messages import BatchResult
+from engine.executor.worker_thread import WorkerThread
 from engine.sched.faults import FaultPolicy
 from engine.frames.lifecycle import FailReason
 from engine.publish.metrics import Metrics
 from engine.executor.output_stage import OutputStage
-from engine.frames.ring import FrameView
+from engine.frames.ref import FrameRef
 from engine.models.registry import PoolSpec
 
 log = logging.getLogger("vidar.pool")
@@ -35,6 +38,7 @@ class WorkerSlots:
         self._acct, self._output, self._timeout_s = acct, output, batch_timeout_s
         self._metrics, self._wake, self._clock = metrics, wake, clock
         self.workers: list[WorkerThread] = []
+        self._fences = [Fence() for _ in spec.models]  # one per slot, outliving the slot's threads
         self.rebuilds = 0  # worker instances replaced after a failed or hung batch
         self.frames_run = 0  # frames whose batch a worker finished (the cluster's cost per frame reads it)
         self._stopping = False
@@ -63,7 +67,7 @@ class WorkerSlots:
     def _new_worker(self, index: int, worker) -> WorkerThread:
         return WorkerThread(self.name, index, worker, threads=self.spec.threads, on_done=self._completed,
                             factory=self._rebuild_worker if self.spec.factory else None, wake=self._wake,
-                            clock=self._clock)
+                            clock=self._clock, fence=self._fences[index])
 
     def _rebuild_worker(self):
         """A fresh worker instance (sharing the model) for a slot whose instance failed or hung."""
@@ -81,20 +85,22 @@ class WorkerSlots:
     def held(self) -> Counter:
         return Counter(fv.meta.stream for r in self.workers if r.current is not None for fv in r.current.frames)
 
-    def take_all(self) -> list[FrameView]:
+    def take_all(self) -> list[FrameRef]:
         """Abort: every batch on a worker is taken back; those threads are abandoned."""
-        frames: list[FrameView] = []
+        frames: list[FrameRef] = []
         for r in self.workers:
             if r.current is not None:
                 frames += r.current.frames
-                r.abandoned, r.current = True, None
+                r.current = None
+                r.abandon()
         return frames
 
     # -- worker threads -----------------------------------------------------------------------------
     def _completed(self, worker: WorkerThread, res: BatchResult) -> bool:
-        """Hand the batch to the output stage, unless the watchdog already did."""
+        """Hand the batch to the output stage, unless the watchdog already did (it ended the thread's
+        generation when it took the batch back: the one check)."""
         with self._acct.lock:
-            if worker.abandoned or worker.current is not res.batch:
+            if worker.abandoned:
                 return False
             worker.current = None
             self.frames_run += len(res.frames)
@@ -116,13 +122,14 @@ class WorkerSlots:
                 batch, since = r.current, r.busy_since
                 if batch is None or since is None or now - since <= self._timeout_s:
                     continue
-                r.abandoned, r.current = True, None  # from here on nothing it finishes is accepted
+                r.current = None
+                r.abandon()  # from here on nothing it finishes is accepted
                 err = TimeoutError(f"batch outran faults.batch_timeout_s={self._timeout_s:g}")
                 self._output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_HANG, error=err))
             # outside the lock (a rebuild may take a while); the abandoned slot is never dispatched to
             self.workers[i] = self._new_worker(i, self._rebuild_worker() if self.spec.factory else r.model)
-            for fv in batch.frames:
-                fv.release()  # the hung worker may never get to it
+            for ref in batch.frames:
+                ref.release()  # the hung worker may never get to it (a drop: not offered to the view)
             log.error("pool %s: batch of %d hung for %.1f s on worker %d: replaced the worker", self.name,
                       len(batch.frames), now - since, i)
 
@@ -131,7 +138,8 @@ class WorkerSlots:
             if r.alive or r.abandoned or self._stopping:
                 continue
             with self._acct.lock:
-                batch, r.abandoned, r.current = r.current, True, None
+                batch, r.current = r.current, None
+                r.abandon()
                 if batch is not None:
                     err = RuntimeError("its worker thread died")
                     self._output.submit(BatchResult(batch, fail_reason=FailReason.MODEL_ERROR, error=err))

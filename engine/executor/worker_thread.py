@@ -5,10 +5,14 @@ with one intra-op thread each beat one instance with two threads by ~1.5x when a
 thread shares the cores (measured: 91 vs 59 frames/s, vit_tiny at batch 4 on 720p), because
 OpenMP's barrier-synchronised parallel regions stall whenever the decoder takes a core.
 
-A worker thread owns nothing shared: the engine core hands it a batch (`current`, set under the
-pool's ledger lock), and it hands the result back through `on_done`, which accepts it only if
-that batch is still its `current` (the watchdog may have declared it hung and replaced this
-thread meanwhile). A replaced thread ends after its batch and never touches the pool again.
+A worker thread owns nothing shared: the engine core hands it a Batch (`current`, set under the
+pool's ledger lock), and it hands the BatchResult back through `on_done`, which accepts it only
+while the thread's generation of its slot's Fence (fence.py) is current (the watchdog may have
+declared it hung and replaced this thread meanwhile). A replaced thread ends after its batch and
+never touches the pool again.
+
+Once the model input is built, the thread releases the batch's frames as seen: their ring offers
+them to the live view on the way (engine.frames), so this thread knows nothing of the view.
 """
 
 from __future__ import annotations
@@ -17,54 +21,45 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 from engine.util.threads import BusyTime
+from engine.executor.fence import Fence
+from engine.executor.messages import Batch, BatchResult
 from engine.frames.lifecycle import FailReason
-from engine.frames.ring import FrameView
 from engine.util.threads import set_intra_op_threads
 from engine.models.base import ModelRunner
 
 log = logging.getLogger("vidar.executor")
 
 
-@dataclass(eq=False)
-class Batch:
-    id: int                   # dispatch order within the pool: the output stage publishes in this order
-    frames: list[FrameView]
-    t_dispatch: float = 0.0   # monotonic; dispatch -> output done is what the scheduler's latency model learns
-    level: int = 0            # the pool's quality level (degradation ladder) this batch runs at
-
-
-@dataclass(eq=False)
-class BatchResult:
-    batch: Batch
-    outputs: Optional[list[dict]] = None
-    fail_reason: Optional[FailReason] = None
-    error: Optional[BaseException] = None
-    elapsed: float = 0.0
-
-    @property
-    def frames(self) -> list[FrameView]:
-        return self.batch.frames
-
-
 class WorkerThread:
     def __init__(self, pool: str, index: int, model: ModelRunner, *, threads: Optional[int],
                  on_done: Callable[["WorkerThread", BatchResult], bool],
                  factory: Optional[Callable[[], ModelRunner]] = None, wake: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, fence: Optional[Fence] = None):
         self.index, self.model = index, model
         self._threads, self._on_done, self._factory, self._wake, self._clock = threads, on_done, factory, wake, clock
         self._inbox: queue.Queue = queue.Queue(maxsize=1)
         self.idle = True
-        self.abandoned = False  # set by the watchdog (under the ledger lock)
+        # its slot's fence (shared with the threads that replace it) and the generation it works under
+        self.fence = fence if fence is not None else Fence()
+        self.ticket = self.fence.ticket()
         self.current: Optional[Batch] = None
         self._busy = BusyTime(self._clock)  # dispatch to idle again, per batch
         self._level = 0
         self._thread = threading.Thread(target=self._run, name=f"worker-{pool}-{index}", daemon=True)
         self._thread.start()
+
+    @property
+    def abandoned(self) -> bool:
+        """The watchdog (or an abort) gave up on this thread: nothing it finishes is accepted."""
+        return not self.fence.admits(self.ticket)
+
+    def abandon(self) -> None:
+        """Ledger lock held: end this thread's generation (it ends after the batch it runs)."""
+        if not self.abandoned:
+            self.fence.end()
 
     def submit(self, batch: Batch) -> None:
         """Core thread, ledger lock held, only when idle: the inbox is empty, so this never blocks."""
@@ -87,7 +82,7 @@ class WorkerThread:
         after the batch it runs, whose result is ignored: it is waited for too, within the timeout. A
         process that exits while torch runs a forward on another thread dies in C++ ("terminate called
         without an active exception", exit 134), measured with vit_tiny after `stop(drain=False)`. (A
-        thread the watchdog abandoned as hung is no longer a slot's runner: nothing waits for it.)"""
+        thread the watchdog abandoned as hung is no longer a slot's thread: nothing waits for it.)"""
         if not self.abandoned:
             try:
                 self._inbox.put(None, timeout=timeout)
@@ -135,18 +130,19 @@ class WorkerThread:
     def _execute(self, batch: Batch) -> BatchResult:
         res = BatchResult(batch)
         t0 = self._clock()
+        seen = False  # the input was built from the frames: their release offers them to the live view
         try:
             if batch.level != self._level:  # the ladder moved: e.g. SAM 2's encoder switches input size
                 self.model.set_level(batch.level)
                 self._level = batch.level
             inputs = self.model.prepare(batch.frames)
-            _tap(batch.frames)
+            seen = True
         except Exception as err:
             res.fail_reason, res.error = FailReason.PREPROCESS_ERROR, err
             return res
         finally:
-            for fv in batch.frames:
-                fv.release()  # the input batch is built: decoding may reuse the slots now
+            for ref in batch.frames:
+                ref.release(seen=seen)  # the input batch is built (or failed): decoding may reuse the slots now
         try:
             outputs = self.model.infer(inputs)
             if len(outputs) != len(batch.frames):
@@ -156,15 +152,3 @@ class WorkerThread:
             res.fail_reason, res.error = FailReason.MODEL_ERROR, err
         res.elapsed = self._clock() - t0
         return res
-
-
-def _tap(frames) -> None:
-    """Offer the frames to the live view's tap (a no-op unless someone watches their stream). A tap
-    error is the view's problem: logged, never the frame's."""
-    for fv in frames:
-        tap = fv.ring.tap
-        if tap is not None:
-            try:
-                tap(fv.meta, fv.pixels)
-            except Exception:
-                log.exception("view tap failed on %s (the frame goes on)", fv)

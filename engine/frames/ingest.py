@@ -1,6 +1,6 @@
 """The per-stream decoder thread: open, pace, stamp, write into the ring, reconnect.
 
-One runner per stream, so a slow or dead stream only ever stalls itself. It stamps every
+One ingest thread per stream, so a slow or dead stream only ever stalls itself. It stamps every
 frame with stream id, sequence number, pts and capture time, sets its deadline (live: capture
 + budget) and writes it into the stream's ring. The capture time is when the frame's last
 packet arrived (network), when it was due (paced live files and synthetic streams: never

@@ -29,7 +29,7 @@ class FailReason(str, Enum):
     MODEL_ERROR = "model_error"
     MODEL_HANG = "model_hang"        # the batch outran faults.batch_timeout_s; its worker was replaced
     PREPROCESS_ERROR = "preprocess_error"
-    OUTPUT_ERROR = "output_error"    # the output stage (e.g. SAM 2's decoder stage, rendering) raised
+    OUTPUT_ERROR = "output_error"    # the output stage (e.g. SAM 2's tracking stage, rendering) raised
     ENCODE_ERROR = "encode_error"    # its result could not be serialised (msgpack): this frame only, logged
     ENGINE_DEAD = "engine_dead"      # in flight when the engine died (the eos says why)
 

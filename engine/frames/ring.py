@@ -2,9 +2,14 @@
 
 All slots are allocated when the first frame's size is known. The decoder thread copies each
 decoded frame into a free slot (PyAV allocates its own output array and has no `out=`, so this
-is the one copy a frame gets); the worker reads the slot in place and releases it once its input
-batch is built. Slots are pinned when CUDA is available (pinning raises without a driver) so the
-upload is a DMA.
+is the one copy a frame gets); the worker reads the slot in place (`FrameRef.pixels()`) and
+releases it once its input batch is built. The slots' memory is the ring's `SlotStorage`
+(storage.py: pinned host tensors today); the ring keeps the slots' states, the budget and the
+accounting.
+
+The live view's `tap` is offered each frame a worker has seen, when it releases it: before the
+slot is freed (the tap copies the pixels) and outside the ledger lock (a copy must never hold up
+the pool). Frames released unseen (drops) are not offered.
 
 live mode: when no slot is free, the oldest frame not yet taken by the scheduler is
 overwritten and counted as dropped(ring_full). offline mode: the writer waits (back-pressure).
@@ -18,9 +23,9 @@ the writer has reserved (WRITING), which no reader looks at.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Optional
 
@@ -31,6 +36,10 @@ from engine.frames.accounting import Accounting
 from engine.errors import SourceError
 from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.frames.budget import FrameMemoryBudget
+from engine.frames.ref import FrameRef, FrameReleasedError
+from engine.frames.storage import HostSlots, SlotStorage
+
+log = logging.getLogger("vidar.ring")
 
 
 class SlotState(Enum):
@@ -38,26 +47,6 @@ class SlotState(Enum):
     WRITING = 1   # reserved by the writer while it copies pixels in (not a frame yet)
     READY = 2     # holds a frame the scheduler has not taken (the ring holds it)
     CLAIMED = 3   # taken by the scheduler or a worker (they hold the frame; the slot until released)
-
-
-@dataclass(slots=True)
-class FrameView:
-    """A frame in a ring slot. `pixels` is a (H, W, 3) uint8 RGB view, not a copy."""
-
-    meta: FrameMeta
-    pixels: torch.Tensor
-    ring: "FrameRing"
-    slot: int
-    released: bool = False
-
-    def release(self) -> None:
-        """Idempotent: a watchdog may release the slots of a hung batch that later releases them too."""
-        if not self.released:
-            self.released = True
-            self.ring.release(self.slot)
-
-    def __repr__(self) -> str:  # shapes, never pixels
-        return f"FrameView({self.meta.stream}#{self.meta.seq}, {tuple(self.pixels.shape)}, slot={self.slot})"
 
 
 _DROPPED = -1
@@ -69,12 +58,13 @@ def slots_for(frame_bytes: int, memory_bytes: float, min_slots: int, max_slots: 
 
 
 class FrameRing:
-    """Bounded ring of frames for one stream, single producer, single consumer pool."""
+    """Bounded ring of frames for one stream, single producer, single consumer pool. It is the
+    FrameStore (ref.py) of the FrameRefs it hands out."""
 
     def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
                  min_slots: int, max_slots: int, max_frame_pixels: int,
                  notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1,
-                 budget: Optional[FrameMemoryBudget] = None):
+                 budget: Optional[FrameMemoryBudget] = None, storage: Optional[SlotStorage] = None):
         self.stream = stream
         self._budget = budget  # the engine-wide frame memory (engine/frame_budget.py); None: unbounded
         self.live = live
@@ -84,10 +74,8 @@ class FrameRing:
         self._min_slots, self._max_slots = min_slots, max_slots
         self._max_pixels = max_frame_pixels
         self._notify = notify
-        self._pin = torch.cuda.is_available() if pin is None else pin
+        self._storage = storage if storage is not None else HostSlots(pin)  # the slots' memory
         self._cond = threading.Condition(accounting.lock)
-        self._slots: list[Optional[torch.Tensor]] = []
-        self._arrays: list[Optional[np.ndarray]] = []
         self._state: list[SlotState] = []
         self._meta: list[Optional[FrameMeta]] = []
         self._ready_order: list[int] = []  # READY slots, oldest first
@@ -115,23 +103,24 @@ class FrameRing:
 
     def _held_old_bytes(self) -> int:
         """Lock held: bytes of slots that hold arrays of another size than the stream's current one."""
-        return sum(a.nbytes for a in self._arrays if a is not None and a.shape[:2] != self._shape)
+        return sum(self._storage.nbytes(i) for i in range(self._storage.count())
+                   if self._storage.shape(i) not in (None, self._shape))
 
     def _give_back(self) -> None:
         """Lock held: a closed ring whose slots are all freed returns its reservation."""
-        if self._budget is not None and self._closed and all(a is None for a in self._arrays):
+        if self._budget is not None and self._closed and all(self._storage.shape(i) is None
+                                                              for i in range(self._storage.count())):
             self._budget.release(self)
 
     def _allocate(self, h: int, w: int) -> None:
         n = slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots)
         self._reserve_bytes(h, w, n)  # before anything is allocated: a refusal leaves the ring as it was
-        self._slots = [None] * n
-        self._arrays = [None] * n
+        self._storage.resize(n)
         self._state = [SlotState.FREE] * n
         self._meta = [None] * n
         self._shape, self._limit = (h, w), n
         for i in range(n):  # preallocated up front: the ring's memory is fixed from its first frame on
-            self._slot_array(i, h, w)
+            self._storage.allocate(i, h, w)
 
     def _resize(self, h: int, w: int) -> None:
         """The stream's frame size changed: slots follow it one by one as they are reused, and the
@@ -141,28 +130,18 @@ class FrameRing:
         # Free slots are let go now (re-allocated at the new size when reused); slots holding a frame keep
         # their old arrays until released, so the reservation covers those too until then. (Counting only
         # the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
-        held_old = sum(a.nbytes for i, a in enumerate(self._arrays)
-                       if a is not None and self._state[i] is not SlotState.FREE)
+        held_old = sum(self._storage.nbytes(i) for i, state in enumerate(self._state) if state is not SlotState.FREE)
         self._reserve_bytes(h, w, limit, held_old)  # may not fit the engine's budget: refused before any change
         self.reallocations += 1
         self._shape = (h, w)
         self._limit = limit
         for i, state in enumerate(self._state):
             if state is SlotState.FREE:
-                self._slots[i] = self._arrays[i] = None
+                self._storage.free(i)
 
     def allocated_bytes(self) -> int:
         with self._cond:
-            return sum(a.nbytes for a in self._arrays if a is not None)
-
-    def _slot_array(self, i: int, h: int, w: int) -> np.ndarray:
-        arr = self._arrays[i]
-        if arr is None or arr.shape[0] != h or arr.shape[1] != w:
-            self._slots[i] = self._arrays[i] = None  # free the old size first: never hold both
-            t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
-            self._slots[i], self._arrays[i] = t, t.numpy()
-            arr = self._arrays[i]
-        return arr
+            return self._storage.bytes_held()
 
     def _free_slot(self) -> Optional[int]:
         for i in range(self._limit):
@@ -186,12 +165,13 @@ class FrameRing:
                 return False
             if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
                 return True
-            arr = self._slot_array(i, h, w)
+            self._storage.allocate(i, h, w)
+            arr = self._storage.writable(i)
         np.copyto(arr, rgb)  # outside the lock: the slot is WRITING, nobody else reads it
         with self._cond:
             if self._closed:  # closed while copying: the frame never entered the pipeline
                 self._state[i] = SlotState.FREE
-                self._slots[i] = self._arrays[i] = None
+                self._storage.free(i)
                 self._give_back()
                 self._cond.notify_all()
                 return False
@@ -242,13 +222,13 @@ class FrameRing:
             self._closed = True
             for i, state in enumerate(self._state):
                 if state is SlotState.FREE:
-                    self._slots[i] = self._arrays[i] = None
+                    self._storage.free(i)
             self._give_back()
             self._cond.notify_all()
         self._notify()
 
     # -- consumer side -------------------------------------------------------------------
-    def take_ready(self, limit: Optional[int] = None) -> list[FrameView]:
+    def take_ready(self, limit: Optional[int] = None) -> list[FrameRef]:
         """Claim READY frames, oldest first (at most `limit`). The caller holds them from now on: call
         with the pool's ledger lock held and put them in their next holder before releasing it."""
         with self._cond:
@@ -256,7 +236,8 @@ class FrameRing:
             out = []
             for i in take:
                 self._state[i] = SlotState.CLAIMED
-                out.append(FrameView(self._meta[i], self._slots[i], self, i))
+                meta = self._meta[i]
+                out.append(FrameRef(meta.stream, i, meta.seq, meta, self))
             del self._ready_order[:len(out)]
             return out
 
@@ -265,19 +246,44 @@ class FrameRing:
         with self._cond:
             return len(self._ready_order)
 
-    def release(self, slot: int) -> None:
+    # -- FrameStore (ref.py): what the FrameRefs it handed out call --------------------------------
+    def pixels(self, slot: int, seq: int) -> torch.Tensor:
+        """The slot's pixels, a view. No lock: the caller holds the frame, so only its own release
+        changes the slot; the check catches a read after that release (e.g. by the watchdog)."""
+        meta = self._meta[slot]
+        if self._state[slot] is not SlotState.CLAIMED or meta is None or meta.seq != seq:
+            raise FrameReleasedError(f"ring {self.stream}: slot {slot} no longer holds frame #{seq} "
+                                     "(its pixels were read after its release)")
+        return self._storage.tensor(slot)
+
+    def release(self, slot: int, seen: bool = False) -> None:
+        """Free a claimed slot. seen: a worker built its input from it: offered to the tap first."""
+        if seen:
+            self._offer(slot)
         with self._cond:
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
-            arr = self._arrays[slot]
+            shape = self._storage.shape(slot)
             if slot >= self._limit or self._closed:  # past the limit after a size change, or no more frames
-                self._slots[slot] = self._arrays[slot] = None
+                self._storage.free(slot)
                 self._give_back()
-            elif arr is not None and arr.shape[:2] != self._shape:  # an older size: reallocated when reused
-                self._slots[slot] = self._arrays[slot] = None
-            if arr is not None and arr.shape[:2] != self._shape and not self._closed:
+            elif shape is not None and shape != self._shape:  # an older size: reallocated when reused
+                self._storage.free(slot)
+            if shape is not None and shape != self._shape and not self._closed:
                 self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
             self._cond.notify_all()
+
+    def _offer(self, slot: int) -> None:
+        """Offer a seen frame to the live view's tap (a no-op unless someone watches its stream). Not under
+        the ledger lock (the tap copies pixels); the slot is still claimed, so nobody writes it meanwhile.
+        A tap error is the view's problem: logged, never the frame's."""
+        tap, meta = self.tap, self._meta[slot]
+        if tap is None or meta is None:
+            return
+        try:
+            tap(meta, self._storage.tensor(slot))
+        except Exception:
+            log.exception("view tap failed on %s#%d (the frame goes on)", self.stream, meta.seq)
 
     @property
     def closed(self) -> bool:

@@ -1,7 +1,7 @@
 """The worker interface every model pool drives.
 
-A pool calls `prepare(frames)` to build the model input from ring slots (after which the
-slots are released, so decoding continues while the model runs), then `infer(inputs)`,
+A pool calls `prepare(frames)` to build the model input from the frames' slots (`FrameRef.pixels()`;
+after which the slots are released, so decoding continues while the model runs), then `infer(inputs)`,
 which returns one dict of output fields per frame, merged into that frame's message.
 """
 
@@ -11,7 +11,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
 
-from engine.frames.ring import FrameView
+from engine.frames.ref import FrameRef
 
 
 def time_batches(run: Callable[[Any], Any], make_input: Callable[[int], Any], batch_sizes: Sequence[int],
@@ -39,8 +39,9 @@ class ModelRunner(ABC):
     weights_tag: str = "random"
 
     @abstractmethod
-    def prepare(self, frames: Sequence[FrameView]) -> Any:
-        """Build the model input. Must not keep references to the frames' pixels."""
+    def prepare(self, frames: Sequence[FrameRef]) -> Any:
+        """Build the model input, reading pixels with `ref.pixels()`. Must not keep references to
+        the pixels: the slots are released (and reused) once this returns."""
 
     @abstractmethod
     def infer(self, inputs: Any) -> list[dict]:
@@ -60,7 +61,7 @@ class ModelRunner(ABC):
 
 class PostProcessor(ABC):
     """A family's stage after the workers, run on its pool's output thread (its one owner), in
-    dispatch order: SAM 2's shared decoder stage is one. Control requests that concern its state
+    dispatch order: SAM 2's shared tracking stage is one. Control requests that concern its state
     (`ops`) are run on the same thread, between batches."""
 
     #: control ops this processor serves (e.g. add_object); the engine routes them here

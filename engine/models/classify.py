@@ -105,7 +105,7 @@ class ClassifierRunner(ModelRunner):
 
     def prepare(self, frames: Sequence) -> torch.Tensor:
         with self._on_stream():
-            x = self.pre([f.pixels for f in frames])
+            x = self.pre([f.pixels() for f in frames])
         if self.stream is not None:
             self.stream.synchronize()  # uploads done: the ring slots may be reused
         return x

@@ -26,7 +26,7 @@ class PoolSpec:
     max_batch: int
     threads: Optional[int] = None             # intra-op threads per worker on the CPU
     processor: Optional[PostProcessor] = None  # run on the pool's output thread
-    output_threads: Optional[int] = None      # intra-op threads of the output thread (SAM 2's decoder stage)
+    output_threads: Optional[int] = None      # intra-op threads of the output thread (SAM 2's tracking stage)
     levels: list[str] = field(default_factory=list)  # the family's quality levels, best first (ladder rungs)
     level_costs: list[float] = field(default_factory=list)  # relative cost of each level (level 0: 1.0)
     plan: Optional[ThreadPlan] = None         # chosen by auto_plan (None: injected workers or no plan)

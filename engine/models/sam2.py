@@ -1,5 +1,5 @@
 """The SAM 2 pool: image-encoder worker instances (batched across streams) feeding one shared
-decoder stage (batched across every due (stream, object) pair). See sam2_tracker.py."""
+tracking stage (batched across every due (stream, object) pair). See sam2_tracker.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from engine.config import MAX_OBJECT_ID, ObjectConfig, Sam2Config
-from engine.control.control_socket import need
+from engine.util.request_fields import need
 from engine.errors import ControlError
 from engine.sched.tuning import ThreadPlan, usable_cores
 from engine.models.base import PostProcessor, ModelRunner, time_batches
@@ -21,15 +21,15 @@ from engine.models.sam2_tracker import TrackingStage, Prompt, encode, render, re
 
 
 class Sam2EncoderRunner(ModelRunner):
-    """Stage (a): preprocess and encode frames; the features go on to the decoder stage.
+    """Stage (a): preprocess and encode frames; the features go on to the tracking stage.
 
     Levels (set_level): 0 encodes at the configured image_size, i at degrade_sizes[i - 1]; the models
     for those sizes share the main model's weights and are built at start (~0.4 s each for hiera-t
     here), not on first use: the ladder steps down when the pool is overloaded, the worst moment
     for a build to stall the worker.
 
-    Frames of a stream the decoder stage calls idle (nothing to track: `wanted` is False) are not
-    encoded; they reach the decoder stage with no features and are published with no objects.
+    Frames of a stream the tracking stage calls idle (nothing to track: `wanted` is False) are not
+    encoded; they reach the tracking stage with no features and are published with no objects.
     """
 
     kind = "sam2"
@@ -46,7 +46,7 @@ class Sam2EncoderRunner(ModelRunner):
         self.sizes = [self.model.image_size, *cfg.degrade_sizes]
         if sized is None:
             sized = {s: resized_model(self.model, cfg.config, s) for s in cfg.degrade_sizes}
-        self.sized = sized  # other input sizes, shared with the decoder stage and the other instances
+        self.sized = sized  # other input sizes, shared with the tracking stage and the other instances
         self.models = {self.model.image_size: self.model, **sized}
         self.pres = {s: Preprocessor(sam2_contract(s), cfg.preprocess, self.device) for s in self.sizes}
         self.pre = self.pres[self.model.image_size]
@@ -62,7 +62,7 @@ class Sam2EncoderRunner(ModelRunner):
     def prepare(self, frames: Sequence) -> tuple[list[int], int, torch.Tensor | None]:
         keep = [i for i, f in enumerate(frames) if not self.skip_idle or self.wanted(f.meta.stream)]
         size = self.sizes[self.level]
-        x = self.pres[size]([frames[i].pixels for i in keep]) if keep else None
+        x = self.pres[size]([frames[i].pixels() for i in keep]) if keep else None
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # uploads done: the ring slots may be reused
         return keep, len(frames), x
@@ -86,17 +86,17 @@ class Sam2EncoderRunner(ModelRunner):
 
 class Sam2PostProcessor(PostProcessor):
     """The SAM 2 pool's output processor, run on its output thread (the one owner of the tracking
-    state): the shared decoder stage, then mask rendering, and the object control requests.
+    state): the shared tracking stage, then mask rendering, and the object control requests.
 
     Frames of one stream inside one encoder batch are tracked in order (one "wave" per frame),
-    each wave one batched decoder call for all due pairs of all streams in it. All waves run on
+    each wave one batched tracking step for all due pairs of all streams in it. All waves run on
     staged state; `commit` installs it (see TrackingStage).
     """
 
     ops = FAMILY_OPS["sam2"]
 
-    def __init__(self, decoder: TrackingStage):
-        self.stage = decoder
+    def __init__(self, stage: TrackingStage):
+        self.stage = stage
 
     def add_stream(self, stream: str) -> None:
         self.stage.add_stream(stream)
@@ -180,35 +180,35 @@ def _render_frame(objs: list[dict], height: int, width: int) -> dict:
 
 
 def sam2_thread_defaults(cores: int, device: torch.device | str) -> dict:
-    """Encoder instances, intra-op threads per encoder and decoder-stage threads for a SAM 2 pool whose
-    config leaves them unset: {"encoders": int, "threads": int | None, "decoder_threads": int | None}
+    """Encoder instances, intra-op threads per encoder and tracking-stage threads for a SAM 2 pool whose
+    config leaves them unset: {"encoders": int, "threads": int | None, "tracking_threads": int | None}
     (None: torch's default).
 
-    The encoders (worker threads) and the decoder stage (the output thread) run at the same time on
+    The encoders (worker threads) and the tracking stage (the output thread) run at the same time on
     different frames. On the CPU each sets its own OpenMP team, and two teams of `cores` threads on
     `cores` cores oversubscribe: a parallel op waits at its barrier for a thread the other team holds.
     Measured here (2 cores, hiera-t at 256 px): with the cores busy, a (1, 1, 64, 64) -> 240x320
-    interpolate took 22 ms at 2 threads and 0.17 ms at 1; the decoder stage is hundreds of such small
+    interpolate took 22 ms at 2 threads and 0.17 ms at 1; the tracking stage is hundreds of such small
     ops per frame, and it scales poorly even on idle cores (2 objects: ~155 ms at 2 threads, ~225 ms
     at 1), while the encoder's large GEMMs scale well (~150 ms at 2 threads, ~290 ms at 1). So: the
-    decoder stage gets one thread, one encoder instance gets all the cores (it uses the decoder's core
-    whenever the decoder waits). Whole-engine runs, 1 stream x 2 objects, (encoder, decoder) threads:
+    tracking stage gets one thread, one encoder instance gets all the cores (it uses the tracking stage's core
+    whenever that stage waits). Whole-engine runs, 1 stream x 2 objects, (encoder, tracking) threads:
     with another process holding ~1 core, (2, 1) took 599 ms/frame against 671-721 for (2, 2); on idle
     cores the two were within noise (bench_sam2.py `levers`: (2, 1) / (2, 2) = 1.02, 1.05). A real
-    pipeline shares the cores with decoding and publishing, so the decoder stage gets one thread.
-    More cores are untested here: the decoder stage keeps one thread per 8 cores.
+    pipeline shares the cores with decoding and publishing, so the tracking stage gets one thread.
+    More cores are untested here: the tracking stage keeps one thread per 8 cores.
     On a GPU the kernels run on the device: today's behaviour (one encoder, torch's default threads)
     is kept; this choice is untested on a GPU.
     """
     if torch.device(device).type != "cpu":
-        return {"encoders": 1, "threads": None, "decoder_threads": None}
+        return {"encoders": 1, "threads": None, "tracking_threads": None}
     cores = max(1, cores)
-    decoder = max(1, cores // 8)
-    return {"encoders": 1, "threads": cores if cores <= 2 else cores - decoder, "decoder_threads": decoder}
+    tracking = max(1, cores // 8)
+    return {"encoders": 1, "threads": cores if cores <= 2 else cores - tracking, "tracking_threads": tracking}
 
 
 def _apply_thread_defaults(cfg: Sam2Config, device: torch.device, cores: Optional[int] = None) -> Sam2Config:
-    """cfg with encoders / threads / decoder_threads that the user left unset filled in for this machine."""
+    """cfg with encoders / threads / tracking_threads that the user left unset filled in for this machine."""
     chosen = sam2_thread_defaults(cores or usable_cores(), device)
     unset = {k: v for k, v in chosen.items() if k not in cfg.model_fields_set}
     return cfg.model_copy(update=unset)
@@ -219,18 +219,18 @@ def auto_plan(cfg: Sam2Config, *, cores: int, pools: int, live: bool) -> tuple[S
     divides it (one encoder instance whatever the streams' mode). Values the user gave are kept."""
     share = max(1, cores // max(1, pools))
     device = resolve_device(cfg.device, f"{KEY}.device")
-    given = cfg.model_fields_set & {"encoders", "threads", "decoder_threads"}
+    given = cfg.model_fields_set & {"encoders", "threads", "tracking_threads"}
     cfg = _apply_thread_defaults(cfg, device, share)  # model_copy(update=) marks them set: build_pool keeps them
-    decoder = cfg.decoder_threads or "torch's"
-    why = (f"{share} of {cores} core(s); {cfg.encoders} encoder instance(s), decoder stage {decoder} thread(s)"
+    tracking = cfg.tracking_threads or "torch's"
+    why = (f"{share} of {cores} core(s); {cfg.encoders} encoder instance(s), tracking stage {tracking} thread(s)"
            + ("; given: " + ", ".join(sorted(given)) if given else ""))
     return cfg, ThreadPlan(cfg.encoders, cfg.threads, why)
 
 
 def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
                factory: Callable[[], ModelRunner] | None = None) -> PoolSpec:
-    """Encoder instances sharing one model, and the shared decoder stage as the output processor.
-    encoders / threads / decoder_threads left unset are chosen by `sam2_thread_defaults`."""
+    """Encoder instances sharing one model, and the shared tracking stage as the output processor.
+    encoders / threads / tracking_threads left unset are chosen by `sam2_thread_defaults`."""
     cfg = _apply_thread_defaults(cfg, resolve_device(cfg.device, f"{KEY}.device"))
     if models is None:
         first = Sam2EncoderRunner(cfg)
@@ -251,7 +251,7 @@ def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
     rebuild = (lambda: wire(factory())) if factory is not None else None
     sizes = getattr(main, "sizes", [cfg.image_size])
     return PoolSpec("sam2", models, rebuild, cfg.max_batch, cfg.threads,
-                    processor=Sam2PostProcessor(stage), output_threads=cfg.decoder_threads,
+                    processor=Sam2PostProcessor(stage), output_threads=cfg.tracking_threads,
                     levels=[f"image_size={s}" for s in sizes],
                     # the encoder's cost grows with the pixels: what the ladder expects a step up to cost
                     level_costs=[(s / sizes[0]) ** 2 for s in sizes])

@@ -1,4 +1,4 @@
-"""SAM 2 streaming tracker: a decoder stage batched across every (stream, object) pair that is due.
+"""SAM 2 streaming tracker: a tracking stage batched across every (stream, object) pair that is due.
 
 Per processed frame SAM 2 runs (a) the image encoder (see `Sam2EncoderRunner`), then per object
 (b) memory attention over the object's memory, (c) the mask decoder, (d) the memory encoder.
@@ -78,7 +78,7 @@ class TrackingStage:
         self.max_objects, self.max_attempts = max_objects, max_attempts
         self._streams: dict[str, StreamTrack] = {}
         self._pos_enc: dict[int, torch.Tensor] = {}  # per input size: maskmem_pos_enc[-1], the same every frame
-        self.calls: deque = deque(maxlen=10_000)  # batch size of each batched decoder call (tests, benchmarks)
+        self.calls: deque = deque(maxlen=10_000)  # batch size of each batched mask-decoder call (tests, benchmarks)
         # seconds per batched call of each sub-stage, for benchmarks (bounded)
         self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
                                           for k in ("memory_attention", "mask_decoder", "memory_encoder")}
@@ -282,7 +282,7 @@ class TrackingStage:
     def _model(self, image_size: int) -> torch.nn.Module:
         m = self.models.get(image_size)
         if m is None:
-            raise ValueError(f"features at input size {image_size}: the decoder stage has models for {sorted(self.models)}")
+            raise ValueError(f"features at input size {image_size}: the tracking stage has models for {sorted(self.models)}")
         return m
 
     def _init_object(self, d: _Due, size: tuple[int, int]) -> tuple[dict, ObjectBank]:

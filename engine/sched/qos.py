@@ -70,7 +70,7 @@ class PoolQos:
     # -- signals (core thread) -----------------------------------------------------------------------
     def step(self, now: float, *, busy_s: float, workers: int, output_busy_s: float = 0.0) -> Optional[Step]:
         """busy_s: the workers' busy seconds so far, as they measured them; output_busy_s: the output
-        stage's (one thread: SAM 2's decoder stage runs there). The pool is as busy as its busier stage:
+        stage's (one thread: SAM 2's tracking stage runs there). The pool is as busy as its busier stage:
         each step adds the larger of the two, in worker-seconds. (Counting the workers busy at each step
         instead missed the batches the core slept through: the step a finished batch wakes sees its
         worker idle. A worker busy 0.3 of the time read 0.0; the ladder's restore check and the

@@ -50,7 +50,8 @@ from aiohttp import WSMsgType, web
 
 from streams import redact_url
 
-from engine.config import ViewConfig, _is_loopback
+from engine.config import ViewConfig
+from engine.security.binds import is_loopback_host
 from engine.errors import ConfigError
 from engine.executor.supervise import SupervisedTask
 
@@ -167,7 +168,7 @@ class ViewServer:
                 host = request.url.host or ""
             except ValueError:  # UnicodeError too: bytes no host name has (yarl IDNA-encodes it)
                 return _deny(request, 400, f"the Host header {request.host[:80]!r} is not a host name")
-            if not _is_loopback(host):
+            if not is_loopback_host(host):
                 return _deny(request, 403, f"host {request.host[:80]!r} is not a loopback name (DNS rebinding?)")
         if request.path != "/login" and self.cfg.token and not self._authorized(request):
             return _deny(request, 401, "this view needs its token: open the login URL printed at start, "

@@ -22,7 +22,9 @@ import pytest
 import zmq
 
 from engine.cluster.placement import EngineLoad, choose, engines_that_fit, measured_streams, place
-from tests.conftest import free_port, write_clip
+from engine.testing.clips import write_clip
+from engine.testing.wait import wait_for
+from tests.support.net import free_port
 
 # generous: the module's first test includes starting the cluster (3 Ray nodes, the controller, 2 engines
 # loading their models), which took ~30 s on an idle 2-core machine and several minutes with both cores busy
@@ -111,7 +113,7 @@ def _bare_actor(streams, workers):
     """An EngineActor's report without Ray: the engine is all it reads."""
     from engine.cluster.engine_actor import EngineActor
     from engine.core.engine import Engine
-    from tests.conftest import engine_config
+    from tests.support.engines import engine_config
     cfg = engine_config(streams, f"tcp://127.0.0.1:{free_port()}", budget={"latency_ms": 1000})
     actor = object.__new__(EngineActor)
     actor.engine, actor._last, actor._cost, actor._ran = Engine(cfg, models={"classify": workers}), {}, {}, {}
@@ -127,7 +129,6 @@ def test_an_engine_reports_the_cost_per_frame_its_workers_spent_at_the_batch_siz
     report (its streams left), the estimate is that batch-1 time: the mean, not the scheduler's deadline
     quantile (20 % above after one warm-up batch), per worker instance."""
     from engine.models.noop import NoopRunner
-    from tests.conftest import wait_for
     actor = _bare_actor([{"id": f"c{i}", "url": "synthetic://shapes?size=64x48&fps=10"} for i in range(4)],
                         NoopRunner(latency_s=0.04, per_frame_s=0.01))
     eng, cost = actor.engine, lambda: actor.report()["frame_s"]["classify"]
@@ -231,7 +232,7 @@ class TestRatesAndPendingStreams:
         assert sorted(len(e["streams"]) for e in _engines(d).values()) == [3, 3]
         streams = _streams(d)
         assert {(s["fps"], s["fps_from"]) for s in streams.values()} == {(5.0, "container")}
-        assert _wait(lambda: all(s["state"] == "running" for s in _streams(d).values()), scale), _streams(d)
+        assert wait_for(lambda: all(s["state"] == "running" for s in _streams(d).values()), scale, 0.2), _streams(d)
 
     def test_a_stream_refused_for_load_waits_and_is_placed_when_room_appears(self, light, cluster, capsys):
         """A 10 fps file (0.5 of an engine) while both engines hold 0.75: kept pending with the reason (list,
@@ -267,7 +268,7 @@ class TestRatesAndPendingStreams:
         placed = [m for m in ev if m["kind"] == "started" and m["reason"].startswith(f"placed on engine {name} after")]
         assert len(placed) == 1 and all(m["kind"] == "started" for m in ev), ev  # (the decoder's own "started" too)
         assert msgs and msgs[-1][1]["stream"] == "extra" and msgs[-1][1]["type"] == "noop", ev  # its results follow
-        s = _wait(lambda: (lambda s: s["state"] == "running" and s)(_streams(d)["extra"]), scale)  # at its next report
+        s = wait_for(lambda: (lambda s: s["state"] == "running" and s)(_streams(d)["extra"]), scale, 0.2)  # at its next report
         assert s and s["engine"] == name and "waiting" not in s, _streams(d)["extra"]
         print(f"placed {msgs[-1][0] - t0:.1f} s after the room appeared")
 
@@ -279,7 +280,7 @@ CAM_FPS = 10  # the classify streams' source rate
 def driver(cluster, tmp_path_factory):
     from engine.cluster.driver import ClusterDriver
     from engine.config import build_config
-    from tests.support.sam2_ref import make_checkpoint
+    from engine.testing.sam2_ref import make_checkpoint
     ckpt = make_checkpoint(tmp_path_factory.mktemp("sam2") / "ck.pt")
     tree = {"streams": [{"id": f"cam{i}", "url": f"synthetic://shapes?size=96x64&fps={CAM_FPS}", "pools": ["classify"]}
                         for i in range(4)]
@@ -307,16 +308,6 @@ def _streams(d):
 
 def _engines(d):
     return d.control({"op": "list_engines"})["engines"]
-
-
-def _wait(cond, timeout, step=0.2):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(step)
-    return None
 
 
 def _subscriber(d):
@@ -373,7 +364,7 @@ def test_engines_and_the_controller_run_at_normal_priority(driver):
 
 def test_cluster_status_command_lists_engines(driver, cluster):
     ray, c, _ = cluster
-    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "cluster", "status", "--json", "--address", c.address],
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "cluster", "status", "--json", "--address", c.address],
                        capture_output=True, text=True, timeout=120, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     assert r.returncode == 0, r.stderr
     status = json.loads(r.stdout)
@@ -397,7 +388,7 @@ def test_head_control_socket_moves_and_lists(driver):
         dst = next(n for n in engines if n != src)
         reply = req({"op": "move_stream", "stream": "cam0", "engine": dst})
         assert reply["ok"] and (reply["from"], reply["engine"]) == (src, dst)
-        assert _wait(lambda: _streams(driver)["cam0"]["state"] == "running", 20)
+        assert wait_for(lambda: _streams(driver)["cam0"]["state"] == "running", 20, 0.2)
         assert req({"op": "list"})["streams"]["cam0"]["engine"] == dst
         assert "unknown op" in req({"op": "explode"})["error"]
     finally:
@@ -432,7 +423,7 @@ def test_a_frozen_engine_is_fenced_and_its_streams_move(driver):
     after = {m["stream"] for t, m in msgs if m["type"] != "event" and m["stream"] in relocated
              and t - t0 > relocated[m["stream"]]}
     assert moved <= after  # results flow again, through the same endpoint
-    assert _wait(lambda: _pid_gone(victim["pid"]), 10)  # fenced: killed, it can never publish again
+    assert wait_for(lambda: _pid_gone(victim["pid"]), 10, 0.2)  # fenced: killed, it can never publish again
     streams = _streams(driver)
     assert all(streams[s]["engine"] != victim_name and streams[s]["lost"]["decoder_sessions"] >= 1 for s in moved)
 
@@ -449,7 +440,7 @@ def _pid_gone(pid):
 def test_a_killed_engine_process_s_streams_move(driver):
     """An engine process SIGKILLed on a live node: Ray reports the actor dead, it is fenced at once, its
     streams restart on the other engine, and the node gets a new engine (its GPU is free again)."""
-    assert _wait(lambda: len(_engines(driver)) == 2, 90)  # the frozen engine's node got a new one
+    assert wait_for(lambda: len(_engines(driver)) == 2, 90, 0.2)  # the frozen engine's node got a new one
     engines = _engines(driver)
     victim_name, victim = max(engines.items(), key=lambda kv: (bool(kv[1]["streams"]), "track" not in kv[1]["streams"]))
     moved = set(victim["streams"])
@@ -472,7 +463,7 @@ def test_a_killed_engine_process_s_streams_move(driver):
     assert moved <= back  # results again, through the same endpoint
     streams = _streams(driver)
     assert all(streams[s]["engine"] != victim_name or streams[s]["relocations"] >= 1 for s in moved)
-    assert _wait(lambda: victim_name in _engines(driver) and _engines(driver)[victim_name]["pid"] != victim["pid"], 120)
+    assert wait_for(lambda: victim_name in _engines(driver) and _engines(driver)[victim_name]["pid"] != victim["pid"], 120, 0.2)
 
 
 def _rates(sub, streams, seconds):
@@ -485,14 +476,14 @@ def _rates(sub, streams, seconds):
 
 def test_a_dead_node_s_sam2_stream_moves_with_its_prompt(driver, cluster):
     ray, c, nodes = cluster
-    _wait(lambda: len(_engines(driver)) == 2, 60)  # the fenced engine's node got a new one
+    wait_for(lambda: len(_engines(driver)) == 2, 60, 0.2)  # the fenced engine's node got a new one
     host = _streams(driver)["track"]["node"]
     node = next(n for n in nodes.values() if n.node_id == host)
     if all(v["node"] == host for v in _streams(driver).values()):  # a stream elsewhere, to watch its rate
         other = next(n for n, e in _engines(driver).items() if e["node_id"] != host)
         sid = next(s for s in _streams(driver) if s != "track")
         assert driver.control({"op": "move_stream", "stream": sid, "engine": other})["ok"]
-    assert _wait(lambda: all(v["state"] == "running" for v in _streams(driver).values()), 30)
+    assert wait_for(lambda: all(v["state"] == "running" for v in _streams(driver).values()), 30, 0.2)
     others = sorted(s for s, v in _streams(driver).items() if v["node"] != host)
     lost0 = _streams(driver)["track"]["lost"].get("sam2_banks", 0)  # an earlier test may have moved it too
     with _subscriber(driver) as sub:
@@ -527,7 +518,7 @@ def test_a_dead_node_s_sam2_stream_moves_with_its_prompt(driver, cluster):
 
 
 def test_drain_moves_every_stream_off_a_node(driver):
-    assert _wait(lambda: len(_engines(driver)) == 2, 90)
+    assert wait_for(lambda: len(_engines(driver)) == 2, 90, 0.2)
     engines = _engines(driver)
     node = next(e["node_id"] for e in engines.values() if e["streams"])
     reply = driver.control({"op": "drain_node", "node": node[:12]})
@@ -549,14 +540,14 @@ def test_a_restarted_controller_keeps_the_desired_state(driver, cluster):
             return ray.get(driver.controller.ping.remote(), timeout=5) != pid
         except Exception:  # between the two incarnations
             return False
-    assert _wait(restarted, 60), "the controller was not restarted"
-    after = _wait(lambda: (lambda r: r.get("ok") and r["streams"])(driver.control({"op": "list"})), 60)
+    assert wait_for(restarted, 60, 0.2), "the controller was not restarted"
+    after = wait_for(lambda: (lambda r: r.get("ok") and r["streams"])(driver.control({"op": "list"})), 60, 0.2)
     assert after and {s: v["engine"] for s, v in after.items()} == before
-    assert _wait(lambda: all(v["state"] == "running" for v in _streams(driver).values()), 30)
+    assert wait_for(lambda: all(v["state"] == "running" for v in _streams(driver).values()), 30, 0.2)
 
 
 def test_single_node_run_never_imports_ray(tmp_path):
-    code = ("import sys; from engine.control.cli import main; "
+    code = ("import sys; from engine.cli import main; "
             "rc = main(['run', sys.argv[1]]); assert 'ray' not in sys.modules, 'ray imported'; sys.exit(rc)")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"streams: [{{id: a, url: 'synthetic://shapes?size=64x48&fps=30&frames=5', mode: offline}}]\n"

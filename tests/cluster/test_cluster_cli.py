@@ -12,11 +12,11 @@ import tempfile
 
 import pytest
 
-from tests.conftest import free_port
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(900)  # Ray's processes start slowly on a busy 2-core machine
 
-VIDAR = [sys.executable, "-m", "engine.control.cli"]
+VIDAR = [sys.executable, "-m", "engine.cli"]
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import pytest
 
 from engine.cluster.placement import EngineLoad, choose, fits_idle
 from engine.cluster.rates import CONTAINER, ESTIMATE, URL, IngestRates, cost_fps, declared_fps
-from tests.conftest import write_clip
+from engine.testing.clips import write_clip
 
 pytestmark = pytest.mark.timeout(60)
 

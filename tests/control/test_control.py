@@ -1,6 +1,5 @@
 """The control socket: every request gets a reply; streams and objects come and go at run time."""
 
-import asyncio
 import os
 import threading
 import time
@@ -9,38 +8,13 @@ import msgpack
 import pytest
 import zmq
 
-from engine.control.control_socket import handle, request, serve
+from engine.control.control_socket import request
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port
-from tests.core.test_e2e import Collector
-
-
-class ControlServer:
-    """The asyncio control plane's socket task (the engine bound the socket at start), on a thread."""
-
-    def __init__(self, engine):
-        self.loop = asyncio.new_event_loop()
-        self.stop = None
-        self.t = threading.Thread(target=self._run, args=(engine,), daemon=True)
-        self.t.start()
-        time.sleep(0.2)
-
-    def _run(self, engine):
-        asyncio.set_event_loop(self.loop)
-        self.stop = asyncio.Event()
-        self.loop.run_until_complete(serve(engine, engine.control_socket, self.stop))
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.stop.set)
-        self.t.join(5)
-
-
-def with_control(cfg):
-    """The config with the control socket on a free port."""
-    ctl = f"tcp://127.0.0.1:{free_port()}"
-    cfg.control.enabled, cfg.control.endpoint = True, ctl
-    return cfg, ctl
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.control import ControlServer, with_control
+from tests.support.engines import engine_config
 
 
 @pytest.fixture
@@ -103,9 +77,7 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
     fds_before = len(os.listdir("/proc/self/fd"))
     reply = request(ctl, {"op": "add_stream", "stream": {"id": "cam2", "url": "synthetic://shapes?size=64x64&fps=30"}})
     assert reply == {"ok": True, "stream": "cam2"}
-    t_end = time.monotonic() + 10
-    while eng.pools["classify"].acct.snapshot("cam2").published < 10 and time.monotonic() < t_end:
-        time.sleep(0.05)
+    wait_for(lambda: eng.pools["classify"].acct.snapshot("cam2").published >= 10, 10)
     listed = request(ctl, {"op": "list"})["streams"]
     assert set(listed) == {"cam1", "cam2"} and listed["cam2"]["state"] == "running"
     cam1_before = eng.pools["classify"].acct.snapshot("cam1").published
@@ -128,7 +100,7 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
 
 
 def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
-    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from engine.testing.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "c.pt")
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
                         budget={"latency_ms": 2000},
@@ -141,16 +113,12 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
     try:
         col = Collector(endpoint, ["cam1"])
         col.sub._sock.setsockopt(zmq.SUBSCRIBE, b"sam2.")
-        t_end = time.monotonic() + 60  # the first processed frame sets the stream's size (however slow SAM 2 is here)
-        while time.monotonic() < t_end and not request(ctl, {"op": "list"})["streams"]["cam1"].get("frame"):
-            time.sleep(0.05)
+        # the first processed frame sets the stream's size (however slow SAM 2 is here)
+        wait_for(lambda: request(ctl, {"op": "list"})["streams"]["cam1"].get("frame"), 60)
         bad = request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 500, 100]})
         assert bad["ok"] is False and "(500.0, 100.0) lies outside the 160x120 frame" in bad["error"]
         assert request(ctl, {"op": "add_object", "stream": "cam1", "id": 4, "box": [10, 10, 80, 60]})["ok"]
-        t_end = time.monotonic() + 20
-        while time.monotonic() < t_end and not any(
-                m.get("objects") for m in col.msgs if m["type"] == "sam2"):
-            time.sleep(0.1)
+        wait_for(lambda: any(m.get("objects") for m in col.msgs if m["type"] == "sam2"), 20, 0.1)
         assert request(ctl, {"op": "list"})["streams"]["cam1"]["objects"] == [4]
         assert request(ctl, {"op": "remove_object", "stream": "cam1", "id": 4})["ok"]
         assert request(ctl, {"op": "remove_object", "stream": "cam1", "id": 4})["ok"] is False
@@ -163,7 +131,7 @@ def test_sam2_objects_through_the_control_socket(tmp_path, endpoint):
 
 
 def test_vidar_control_command_line(running, capsys):
-    from engine.control.cli import main
+    from engine.cli import main
     eng, ctl = running
     assert main(["control", "--endpoint", ctl, "list"]) == 0
     assert '"cam1"' in capsys.readouterr().out

@@ -25,8 +25,10 @@ from engine.core.engine import Engine
 from engine.errors import ConfigError
 from engine.control.runtime import EXIT_DEAD, EXIT_OK, run
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port, wait_for
-from tests.core.test_e2e import Collector
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,7 +74,7 @@ def test_object_ids_are_bounded_integers(oid, ok):
 def test_a_huge_object_id_is_refused_and_every_subscriber_keeps_receiving(tmp_path, endpoint):
     """The probe's request, through the control path the view's API uses: refused with a reply naming the
     key; the SAM 2 stream's results keep coming, and a valid object is tracked after it."""
-    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from engine.testing.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "c.pt")
     cfg = engine_config([{"id": "cam1", "url": "synthetic://shapes?size=160x120&fps=10"}], endpoint,
                         budget={"latency_ms": 3000},
@@ -269,7 +271,7 @@ def test_a_control_socket_that_keeps_crashing_is_engine_death(endpoint, monkeypa
     async def crash(engine, sock, stop):
         raise RuntimeError("injected control-plane bug")
     monkeypatch.setattr(control, "serve", crash)
-    eng = Engine(_control_cfg(endpoint), workers={"classify": [NoopRunner()]})
+    eng = Engine(_control_cfg(endpoint), models={"classify": [NoopRunner()]})
     with _SigintAfter(30), caplog.at_level(logging.ERROR):
         assert run(eng) == EXIT_DEAD
     assert re.search(r"control socket keeps crashing: control socket: 3 crashes within 60 s "
@@ -548,7 +550,7 @@ def _vidar_run(tmp_path, limits):
            "status": {"interval_s": 30}, "control": {"endpoint": ctl}, "view": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([sys.executable, "-m", "engine.control.cli", "run", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limits))
     return proc, ctl
@@ -732,7 +734,7 @@ def test_only_a_generated_metrics_token_is_printed(tmp_path, token, printed):
            "metrics": {"port": free_port(), "token": token}, "view": {"enabled": False}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "run", str(path)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert ("Authorization: Bearer" in r.stdout) is printed

@@ -10,17 +10,12 @@ from collections import Counter
 import pytest
 
 from engine.core.engine import Engine
+from engine.core.requests import RemoveStream
 from engine.control.runtime import EXIT_DEAD, StatusPrinter, run
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config
-from tests.core.test_e2e import Collector
-
-
-def wait(pred, timeout=20):
-    t_end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < t_end:
-        time.sleep(0.01)
-    return pred()
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config
 
 
 def snap(eng, sid, pool="classify"):
@@ -38,13 +33,13 @@ def test_removing_a_stream_ends_its_frames_before_its_eos(endpoint):
     eng = Engine(cfg, models={"classify": [NoopRunner(per_frame_s=0.01), NoopRunner(per_frame_s=0.01)]})
     eng.start()
     try:
-        assert wait(lambda: snap(eng, "b").published > 20)
+        assert wait_for(lambda: snap(eng, "b").published > 20, 20, 0.01)
         held = {}
-        assert wait(lambda: (held.update(snap(eng, "b").held) or held.get("workers", 0)) > 0)  # b is on a worker
+        assert wait_for(lambda: (held.update(snap(eng, "b").held) or held.get("workers", 0)) > 0, 20, 0.01)  # b is on a worker
         assert eng.control({"op": "remove_stream", "stream": "b"}) == {"ok": True}
         msgs = [m for m in col.wait(10) if m["stream"] == "b"]
         a_before = snap(eng, "a").published
-        assert wait(lambda: snap(eng, "a").published > a_before + 20)
+        assert wait_for(lambda: snap(eng, "a").published > a_before + 20, 20, 0.01)
     finally:
         eng.stop()
     results = [m for m in msgs if m["type"] == "classify"]
@@ -62,7 +57,7 @@ def test_removal_reply_waits_for_the_eos_and_the_id_comes_back(endpoint):
     try:
         for i in range(3):
             assert eng.control({"op": "add_stream", "stream": {"id": "b", "url": "synthetic://shapes?size=32x32"}})["ok"]
-            assert wait(lambda: snap(eng, "b").published > 2)
+            assert wait_for(lambda: snap(eng, "b").published > 2, 20, 0.01)
             assert eng.control({"op": "remove_stream", "stream": "b"}) == {"ok": True}
             # the reply came after b's eos was queued: nothing of b is held anywhere any more
             assert snap(eng, "b").in_flight == 0
@@ -82,8 +77,8 @@ def test_an_add_that_timed_out_while_waiting_for_a_removal_never_starts(endpoint
     eng.start()
     try:
         acct = eng.pools["classify"].acct
-        assert wait(lambda: acct.snapshot("s").held.get("workers", 0) > 0, 10)
-        removal = eng.core.call(eng.table.remove, "s")  # completes when the frame on the worker is done
+        assert wait_for(lambda: acct.snapshot("s").held.get("workers", 0) > 0, 10, 0.01)
+        removal = eng.core.submit(RemoveStream("s"))  # completes when the frame on the worker is done
         reply = eng.control({"op": "add_stream", "stream": {"id": "s", "url": "synthetic://shapes?size=32x32"}},
                             timeout=0.2)
         assert reply["ok"] is False and "no answer" in reply["error"], reply
@@ -92,6 +87,34 @@ def test_an_add_that_timed_out_while_waiting_for_a_removal_never_starts(endpoint
         assert "s" not in eng.streams and acct.streams() == []
     finally:
         eng.stop()
+
+
+def test_the_core_refuses_a_request_type_it_does_not_know_and_keeps_running(endpoint):
+    """Requests to the core are typed (engine/core/requests.py): one it has no handler for is refused with
+    a ControlError naming its type, never run; the core goes on and serves the next request."""
+    from dataclasses import dataclass
+
+    from engine.errors import ControlError
+
+    @dataclass(frozen=True)
+    class Reboot:
+        now: bool  # no such request
+
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30"}], endpoint)
+    eng = Engine(cfg, models={"classify": NoopRunner()})
+    eng.start()
+    try:
+        with pytest.raises(ControlError, match="does not take a Reboot request; it takes AddStream, RemoveStream, Stop"):
+            eng.core.submit(Reboot(True)).result(5)
+        assert eng.core.alive and eng.core.dead is None and eng.core.state == "running"
+        assert eng.core.submit(RemoveStream("s", "gone")).result(10) is None
+        assert eng.control({"op": "add_stream", "stream": {"id": "s", "url": "synthetic://shapes?size=32x32"}}) \
+            == {"ok": True, "stream": "s"}
+    finally:
+        eng.stop()
+    # a request to a core that has stopped fails at once, without waiting
+    with pytest.raises(ControlError, match="the engine core is not running"):
+        eng.core.submit(RemoveStream("s")).result(0)
 
 
 def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
@@ -106,7 +129,7 @@ def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
     eng = Engine(cfg, models={"classify": worker})
     eng.start()
     try:
-        assert wait(lambda: eng.streams["short"].eos_sent, 10)
+        assert wait_for(lambda: eng.streams["short"].eos_sent, 10, 0.01)
         busy = worker.batches
         time.sleep(0.3)
         assert worker.batches > busy  # the pool was still busy with the live streams
@@ -126,7 +149,7 @@ def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):
     worker = NoopRunner(per_frame_s=0.4)
     eng = Engine(cfg, models={"classify": worker})
     eng.start()
-    assert wait(lambda: worker.batches >= 2, 20)  # a batch is running now (each takes 0.4 s)
+    assert wait_for(lambda: worker.batches >= 2, 20, 0.01)  # a batch is running now (each takes 0.4 s)
     eng.stop(drain=False)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("worker-classify")]
 
@@ -222,7 +245,7 @@ def test_a_hung_output_step_is_caught_by_the_watchdog(endpoint, monkeypatch):
     col = Collector(endpoint, ["s"])
     eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
-    assert wait(eng.finished, 20)
+    assert wait_for(eng.finished, 20, 0.01)
     proc.release.set()  # the abandoned thread wakes up: what it finishes must change nothing
     time.sleep(0.2)
     eng.stop()
@@ -252,7 +275,7 @@ def test_an_exception_in_output_processing_fails_that_batch_only(endpoint, monke
     col = Collector(endpoint, ["s"])
     eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
-    assert wait(eng.finished, 20)
+    assert wait_for(eng.finished, 20, 0.01)
     eng.stop()
     got = sorted(m["seq"] for m in col.wait(10) if m["type"] == "classify")
     s = snap(eng, "s")
@@ -300,14 +323,14 @@ def test_a_late_success_after_the_watchdog_changes_nothing(endpoint):
     eng = Engine(cfg, models={"classify": [hung]}, model_factories={"classify": lambda: NoopRunner(per_frame_s=0.05)})
     eng.start()
     pool = eng.pools["classify"]
-    assert wait(lambda: pool.slots.rebuilds == 1 and pool.slots.workers[0].current is not None, 10)
+    assert wait_for(lambda: pool.slots.rebuilds == 1 and pool.slots.workers[0].current is not None, 10, 0.01)
     new_runner, its_batch = pool.slots.workers[0], pool.slots.workers[0].current
     hung.release_hang.set()  # the abandoned thread finishes batch 2 now, successfully
     time.sleep(0.1)
     # the late success was refused: the new worker kept its slot and its batch (the first engine could mark
     # it idle while busy, so a second batch was submitted to a busy worker)
     assert pool.slots.workers[0] is new_runner and its_batch.id >= 2
-    assert wait(eng.finished, 20) and eng.check_dead() is None
+    assert wait_for(eng.finished, 20, 0.01) and eng.check_dead() is None
     eng.stop()
     seqs = [m["seq"] for m in col.wait(5) if m["type"] == "classify" and m["stream"] == "s"]
     s = snap(eng, "s")
@@ -373,7 +396,7 @@ def test_admission_limit_on_streams(endpoint):
 def test_a_stream_feeds_only_its_pools(endpoint, pools, expect, monkeypatch):
     """streams[].pools picks the pools; the engine builds only the configured ones (families are plug-ins)."""
     from engine.models import registry
-    monkeypatch.setitem(registry.FAMILIES, "null2", "tests.support.null_family")
+    monkeypatch.setitem(registry.FAMILIES, "null2", "tests.support.plugin_family")
     from engine.config import ModelsConfig
     monkeypatch.setattr(ModelsConfig, "configured", lambda self: {"classify": self.classify, "null2": self.classify})
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=5", "mode": "offline"}],
@@ -381,7 +404,7 @@ def test_a_stream_feeds_only_its_pools(endpoint, pools, expect, monkeypatch):
     cfg.streams[0].pools = pools  # after validation: the config knows no family called null2
     eng = Engine(cfg, models={"classify": NoopRunner(), "null2": NoopRunner(kind="null2")})
     eng.start()
-    assert wait(eng.finished, 10)
+    assert wait_for(eng.finished, 10, 0.01)
     eng.stop()
     got = {name for name, p in eng.pools.items() if p.acct.snapshot("s").published == 5}
     assert got == expect and set(eng.pools) == {"classify", "null2"}
@@ -394,7 +417,7 @@ def test_200_streams_added_and_removed_release_everything(endpoint):
     import urllib.request
 
     import psutil
-    from tests.conftest import free_port
+    from tests.support.net import free_port
     port = free_port()
     cfg = engine_config([{"id": "base", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint,
                         budget={"latency_ms": 2000}, metrics={"enabled": True, "port": port})
@@ -413,7 +436,7 @@ def test_200_streams_added_and_removed_release_everything(endpoint):
         for sid in ids:
             reply = eng.control({"op": "add_stream", "stream": {"id": sid, "url": "synthetic://shapes?size=96x64&fps=60"}})
             assert reply["ok"], reply
-            assert wait(lambda: snap(eng, sid).published >= 2, 10), snap(eng, sid)
+            assert wait_for(lambda: snap(eng, sid).published >= 2, 10, 0.01), snap(eng, sid)
             if len(live_series) < 3:
                 live_series.append(series())  # while it runs, a stream has series: the count below can fail
             assert eng.control({"op": "remove_stream", "stream": sid}) == {"ok": True}
@@ -425,7 +448,7 @@ def test_200_streams_added_and_removed_release_everything(endpoint):
                 and list(eng.streams) == ["base"] and eng.pools["classify"].acct.streams() == ["base"])
 
     def sample():
-        assert wait(released, 10), (list(eng.streams), eng.pools["classify"].acct.streams())
+        assert wait_for(released, 10, 0.01), (list(eng.streams), eng.pools["classify"].acct.streams())
         return (psutil.Process().memory_info().rss / 2**20, threading.active_count(), len(os.listdir("/proc/self/fd")),
                 series(), len(eng.pools["classify"].acct.streams()), len(eng.streams))
     try:
@@ -445,7 +468,7 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
     The offline stream stops (credit: its frames wait in its ring, its decoder waits), and nothing of it
     is lost; the live stream is served as if alone: no late results, no drops but for its deadline."""
     from engine.publish.client import Subscriber
-    from tests.publish.test_publisher import stuck_subscriber
+    from tests.support.collector import stuck_subscriber
     cfg = engine_config([{"id": "off", "url": "synthetic://shapes?size=64x48&fps=30&frames=2000", "mode": "offline"},
                          {"id": "live", "url": "synthetic://shapes?size=64x48&fps=30"}], endpoint,
                         budget={"latency_ms": 300}, publish={"hwm": 20, "queue_size": 32})
@@ -458,7 +481,7 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
     eng = Engine(cfg, models={"classify": Padded(per_frame_s=0.001)})
     eng.start()
     try:
-        assert wait(lambda: eng.publisher.pending().get("off", 0) > 0, 10)  # off is held back now
+        assert wait_for(lambda: eng.publisher.pending().get("off", 0) > 0, 10, 0.01)  # off is held back now
         t0 = time.monotonic()
         got = []
         while time.monotonic() - t0 < 4:
@@ -470,7 +493,7 @@ def test_an_offline_stream_held_back_by_its_subscriber_never_delays_live_frames(
         assert live.dropped.get("late", 0) == 0 and len(got) >= 0.9 * 30 * 4, (len(got), live)
         assert max(m["latency_ms"] for m in got) <= 300
         stuck.close()  # the subscriber goes away: the offline stream runs to its end, nothing lost
-        assert wait(lambda: eng.streams["off"].eos_sent, 30)
+        assert wait_for(lambda: eng.streams["off"].eos_sent, 30, 0.01)
     finally:
         reader.close()
         eng.stop()

@@ -5,7 +5,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from engine.publish.client import Subscriber
 from engine.config import ClassifyConfig as VitConfig
@@ -13,47 +12,11 @@ from engine.core.engine import Engine
 from engine.models.classify import ClassifierRunner
 from engine.models.base import PostProcessor
 from engine.models.noop import NoopRunner
-from tests.conftest import decode_all, engine_config, wait_for, write_clip
-from tests.models.test_classify import seeded_model, timm_reference
-
-
-class Collector:
-    """Subscribes before the engine starts and keeps every message until each of `streams` has sent an eos,
-    then (linger_s > 0) until the publisher has been quiet for linger_s: other streams' last messages."""
-
-    def __init__(self, endpoint, streams, linger_s=0.0):
-        self.sub = Subscriber(endpoint, ["classify.", "event."])
-        self.msgs, self.streams, self.linger_s = [], set(streams), linger_s
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        ended = set()
-        while not self.streams <= ended:
-            m = self.sub.recv(30)
-            if m is None:
-                return
-            self.msgs.append(m)
-            if m["type"] == "event" and m["kind"] == "eos":
-                ended.add(m["stream"])
-        while self.linger_s > 0 and (m := self.sub.recv(self.linger_s)) is not None:
-            self.msgs.append(m)
-
-    def wait(self, timeout=60):
-        self._t.join(timeout)
-        self.sub.close()
-        return self.msgs
-
-
-def run_engine(cfg, models=None, timeout=60):
-    eng = Engine(cfg, models=models)
-    eng.start()
-    t_end = time.monotonic() + timeout
-    while not eng.finished() and time.monotonic() < t_end:
-        time.sleep(0.05)
-    finished = eng.finished()
-    eng.stop()
-    return eng, finished
+from engine.testing.clips import decode_all, write_clip
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config, run_engine
+from tests.support.models import seeded_model, timm_reference
 
 
 def test_offline_file_every_frame_once_then_eos(tmp_path, endpoint):
@@ -160,9 +123,7 @@ def test_stop_drains_and_sends_one_eos_per_stream(endpoint):
     col = Collector(endpoint, ["c0", "c1", "c2"])
     eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.005)})
     eng.start()
-    t_end = time.monotonic() + 20
-    while time.monotonic() < t_end and min(eng.pools["classify"].acct.snapshot(f"c{i}").published for i in range(3)) <= 10:
-        time.sleep(0.05)
+    wait_for(lambda: min(eng.pools["classify"].acct.snapshot(f"c{i}").published for i in range(3)) > 10, 20)
     t0 = time.monotonic()
     eng.stop()
     assert time.monotonic() - t0 < cfg.shutdown_timeout_s
@@ -228,7 +189,7 @@ def test_noop_pool_costs_its_fixed_time_per_frame(endpoint):
 
 class _SlowOutput(PostProcessor):
     """An output processor that takes `per` seconds a frame on the pool's output thread (as SAM 2's
-    decoder stage does there), changing nothing."""
+    tracking stage does there), changing nothing."""
 
     def __init__(self, per):
         self.per = per
@@ -241,7 +202,7 @@ class _SlowOutput(PostProcessor):
 @pytest.mark.parametrize("stage", ["worker", "output"])
 def test_a_pool_s_busy_share_is_the_time_its_busier_stage_spent_on_batches(endpoint, stage):
     """The busy share the ladder and the cluster's placement read: the seconds the pool's busier stage
-    (its workers, or its output thread, where SAM 2's decoder stage runs) spent on batches over the
+    (its workers, or its output thread, where SAM 2's tracking stage runs) spent on batches over the
     seconds available. A live stream at 10 fps into a stage that sleeps 30 ms a frame keeps it busy ~0.3
     of the time. Counting the workers busy at each step showed 0.0 (the step a finished batch wakes sees
     its worker idle, and the core slept through the batch); the output thread was not counted at all."""

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from engine.publish.client import Subscriber
-from tests.conftest import free_port
+from tests.support.net import free_port
 
-VIDAR = [sys.executable, "-m", "engine.control.cli", "run"]
+VIDAR = [sys.executable, "-m", "engine.cli", "run"]
 
 
 def start_engine(tmp_path, streams=3):

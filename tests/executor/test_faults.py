@@ -3,20 +3,13 @@ batch is caught by the watchdog; K failures within W seconds make the engine dea
 
 import time
 
-import pytest
 
 from engine.core.engine import Engine
 from engine.control.runtime import EXIT_DEAD, run
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config
-from tests.core.test_e2e import Collector
-
-
-def wait(pred, timeout=20):
-    t_end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < t_end:
-        time.sleep(0.02)
-    return pred()
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config
 
 
 def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
@@ -30,7 +23,7 @@ def test_failed_batch_fails_its_frames_and_the_worker_is_rebuilt(endpoint):
                         endpoint, models={"classify": {"max_batch": 2}})
     eng = Engine(cfg, models={"classify": [first]}, model_factories={"classify": factory})
     eng.start()
-    assert wait(eng.finished)
+    assert wait_for(eng.finished, 20, 0.02)
     eng.stop()
     s = eng.pools["classify"].acct.snapshot("s")
     assert s.failed == {"model_error": first.batch_sizes[2]} and s.published == 40 - first.batch_sizes[2]
@@ -44,7 +37,7 @@ def test_hung_batch_is_caught_by_the_watchdog(endpoint):
                         endpoint, models={"classify": {"max_batch": 2}}, faults={"batch_timeout_s": 0.5})
     eng = Engine(cfg, models={"classify": [hung]}, model_factories={"classify": NoopRunner})
     eng.start()
-    assert wait(eng.finished)
+    assert wait_for(eng.finished, 20, 0.02)
     eng.stop()
     hung.release_hang.set()
     s = eng.pools["classify"].acct.snapshot("s")

@@ -2,7 +2,7 @@
 
 Network frames: when the packet that completed them came out of the demuxer (checked against
 an independent wire tap). Paced files and synthetic streams: when they were due, not when the
-runner woke up. Decode time: packet -> rgb only, never the wait for the next packet.
+ingest thread woke up. Decode time: packet -> rgb only, never the wait for the next packet.
 """
 
 import subprocess
@@ -18,10 +18,12 @@ from streams import open_source
 from streams.base import DecodedFrame, Source
 from streams.pyav import FileSource
 from engine.frames.ingest import IngestThread
-from tests.conftest import engine_config, free_port, write_clip
+from engine.testing.clips import write_clip
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 from tests.support.rtp_tap import RtpTap
-from tests.core.test_e2e import Collector
-from tests.streams.test_rtsp import SERVER, SYSTEM_PY, require_server
+from tests.support.collector import Collector
+from tests.support.rtsp import SERVER, SYSTEM_PY, require_server
 
 FPS = 30
 BUDGET_S = 3 / FPS  # three frame intervals

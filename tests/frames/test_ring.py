@@ -9,6 +9,7 @@ import pytest
 from engine.frames.accounting import Accounting
 from engine.errors import SourceError
 from engine.frames.lifecycle import FrameMeta
+from engine.frames.ref import FrameReleasedError
 from engine.frames.ring import FrameRing, slots_for
 
 
@@ -34,8 +35,8 @@ def test_zero_copy_read_and_release():
     r, acct = ring()
     r.write(*frame(7))
     (fv,) = r.take_ready()
-    assert fv.meta.seq == 7 and int(fv.pixels[0, 0, 0]) == 7 and fv.pixels.shape == (8, 8, 3)
-    assert fv.pixels.data_ptr() == r._slots[fv.slot].data_ptr()  # a view of the slot, not a copy
+    assert fv.meta.seq == 7 and int(fv.pixels()[0, 0, 0]) == 7 and fv.pixels().shape == (8, 8, 3)
+    assert fv.pixels().data_ptr() == r._storage.tensor(fv.slot).data_ptr()  # a view of the slot, not a copy
     assert r.held() == 1
     fv.release()
     assert r.held() == 0 and acct.snapshot("s").ingested == 1
@@ -107,7 +108,7 @@ def test_size_change_reallocates_the_slot():
     r.take_ready()[0].release()
     r.write(*frame(1, h=4, w=6))
     (fv,) = r.take_ready()
-    assert fv.pixels.shape == (4, 6, 3) and r.reallocations == 1
+    assert fv.pixels().shape == (4, 6, 3) and r.reallocations == 1
 
 
 def test_size_change_keeps_memory_within_the_budget():
@@ -124,9 +125,58 @@ def test_size_change_keeps_memory_within_the_budget():
     for i in range(4, 10):  # 4x larger frames: the budget now holds 2 slots (min_slots)
         r.write(*frame(i, h=16, w=16))
         for fv in r.take_ready():
-            assert fv.pixels.shape == (16, 16, 3)
+            assert fv.pixels().shape == (16, 16, 3)
             fv.release()
             acct.drop("s", "test")
     assert r.allocated_bytes() <= 2 * 16 * 16 * 3
     s = acct.snapshot("s")
     assert s.ingested == 10 and s.balanced() and s.in_flight == 0
+
+
+def test_pixels_after_release_are_refused_even_once_the_slot_holds_another_frame():
+    r, _ = ring(slots=2)
+    r.write(*frame(0))
+    (fv,) = r.take_ready()
+    fv.release()
+    fv.release()  # idempotent
+    with pytest.raises(FrameReleasedError, match=r"after release"):
+        fv.pixels()
+    stale = type(fv)(fv.stream, fv.slot, fv.seq, fv.meta, r)  # another ref to the same slot (e.g. a hung worker's)
+    r.write(*frame(1))
+    (new,) = r.take_ready()
+    assert new.slot == fv.slot and int(new.pixels()[0, 0, 0]) == 1  # the slot was reused
+    with pytest.raises(FrameReleasedError, match=r"slot 0 no longer holds frame #0"):
+        stale.pixels()
+    assert "s#0" in repr(fv) and "slot=0" in repr(fv)
+
+
+def test_seen_frames_are_offered_to_the_tap_before_the_slot_is_freed_and_outside_the_lock():
+    r, acct = ring(slots=2)
+    got = []
+
+    def tap(meta, pixels):
+        got.append((meta.seq, int(pixels[0, 0, 0]), r.held(), _owned(acct.lock)))
+    r.tap = tap
+    r.write(*frame(3)), r.write(*frame(4))
+    seen, dropped = r.take_ready()
+    seen.release(seen=True)
+    dropped.release()  # a drop: never offered
+    assert got == [(3, 3, 2, False)] and r.held() == 0  # offered while its slot was still held
+
+
+def test_a_tap_error_is_logged_and_the_slot_freed(caplog):
+    r, _ = ring()
+    r.tap = lambda meta, pixels: 1 / 0
+    r.write(*frame(5))
+    (fv,) = r.take_ready()
+    fv.release(seen=True)
+    assert r.held() == 0 and "view tap failed on s#5" in caplog.text
+
+
+def _owned(lock) -> bool:
+    """Whether `lock` is held now (by any thread: probed from a fresh one, as the lock is re-entrant)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(lock.acquire(blocking=False)) or (out[0] and lock.release()))
+    t.start()
+    t.join()
+    return not out[0]

@@ -4,37 +4,12 @@ import numpy as np
 import pytest
 import timm
 import torch
-from PIL import Image
 
 from engine.config import ClassifyConfig as VitConfig
 from engine.errors import ConfigError, WeightsError
-from engine.frames.ring import FrameView
 from engine.models.classify import ClassifierRunner
-from tests.conftest import decode_all
-
-MODEL = "test_vit"  # timm's registered tiny ViT: the real architecture, 160 px, fast on a CPU
-
-
-def seeded_model(name=MODEL, seed=0):
-    torch.manual_seed(seed)
-    return timm.create_model(name, pretrained=False).eval()
-
-
-def views(frames):
-    return [FrameView(meta=None, pixels=torch.from_numpy(np.ascontiguousarray(f)), ring=None, slot=i)
-            for i, f in enumerate(frames)]
-
-
-def timm_reference(model, frames):
-    """timm's own resolve_data_config + create_transform + model, one PIL image at a time."""
-    cfg = timm.data.resolve_data_config(model=model)
-    tf = timm.data.create_transform(**cfg)
-    with torch.inference_mode():
-        return torch.cat([model(tf(Image.fromarray(f)).unsqueeze(0)) for f in frames])
-
-
-def rel_err(a, b):
-    return float((a - b).abs().max() / b.abs().max())
+from engine.testing.clips import decode_all
+from tests.support.models import MODEL, rel_err, seeded_model, timm_reference, views
 
 
 @pytest.fixture(scope="module")

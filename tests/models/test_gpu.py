@@ -17,8 +17,8 @@ from engine.config import ClassifyConfig as VitConfig
 from engine.frames.lifecycle import FrameMeta
 from engine.frames.ring import FrameRing
 from engine.models.classify import ClassifierRunner
-from tests.conftest import decode_all
-from tests.models.test_classify import rel_err, seeded_model, timm_reference, views
+from engine.testing.clips import decode_all
+from tests.support.models import rel_err, seeded_model, timm_reference, views
 
 pytestmark = pytest.mark.gpu
 
@@ -28,7 +28,7 @@ def test_ring_slots_are_pinned_with_cuda():
                   max_frame_pixels=10**8)
     r.write(FrameMeta("g", 0, 0.0, time.time(), deadline=math.inf), np.zeros((32, 32, 3), np.uint8))
     (fv,) = r.take_ready()
-    assert fv.pixels.is_pinned()
+    assert fv.pixels().is_pinned()
 
 
 def test_cuda_fast_preprocessing_and_bf16_match_timm(clip48):

@@ -7,8 +7,8 @@ import pytest
 import timm
 import torch
 
-from tests.conftest import engine_config
-from tests.core.test_e2e import Collector, run_engine
+from tests.support.collector import Collector
+from tests.support.engines import engine_config, run_engine
 
 CATS = {"tiger cat", "Egyptian cat", "tabby, tabby cat"}
 

@@ -11,10 +11,12 @@ from pycocotools import mask as mask_utils
 from engine.errors import ConfigError, WeightsError
 from engine.models.sam2_model import build_sam2_model, preprocess
 from engine.models.sam2_tracker import TrackingStage, Prompt, PromptError, encode, render
-from tests.conftest import decode_all, engine_config, write_clip
-from tests.support.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
 from engine.core.engine import Engine
-from tests.core.test_e2e import Collector, run_engine
+from engine.testing.clips import decode_all, write_clip
+from engine.testing.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, reference_masks
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config, run_engine
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
 N = 21  # 3 x num_maskmem
@@ -48,7 +50,7 @@ def prompt(obj_id, p):
 
 
 def stream_masks(model, frames_by_stream, prompts_at):
-    """Run the decoder stage over streams in lockstep; prompts_at: {(stream, frame): {obj: prompt}}."""
+    """Run the tracking stage over streams in lockstep; prompts_at: {(stream, frame): {obj: prompt}}."""
     stage = TrackingStage(model)
     for s in frames_by_stream:
         stage.add_stream(s)
@@ -80,7 +82,7 @@ def assert_equal_to_reference(ours, ref, first=0):
 def test_two_objects_equal_the_offline_predictor(model, clips, ref0):
     ours, stage = stream_masks(model, {"a": decode_all(clips[0])}, {("a", 0): PROMPTS})
     assert_equal_to_reference(ours["a"], ref0)
-    assert stage.calls[-1] == 2  # both objects in one batched decoder call
+    assert stage.calls[-1] == 2  # both objects in one batched mask-decoder call
 
 
 def test_two_streams_batched_each_equal_its_own_run(model, ckpt, clips, ref0, tmp_path):
@@ -89,7 +91,7 @@ def test_two_streams_batched_each_equal_its_own_run(model, ckpt, clips, ref0, tm
     ours, stage = stream_masks(model, {"a": fa, "b": fb}, {("a", 0): PROMPTS, ("b", 0): PROMPTS})
     assert_equal_to_reference(ours["b"], ref_b)
     assert_equal_to_reference(ours["a"], ref0)
-    # steady state: one decoder call per step for all 2 streams x 2 objects
+    # steady state: one mask-decoder call per step for all 2 streams x 2 objects
     assert list(stage.calls)[-10:] == [4] * 10
 
 
@@ -252,7 +254,7 @@ _FEATS: dict = {}
 
 def feats_of(model, frame):
     """The frame's image features, encoded once per module (several tests step the same clip's frames;
-    the decoder stage only reads features)."""
+    the tracking stage only reads features)."""
     key = (id(model), frame.shape, frame.tobytes())
     if key not in _FEATS:
         _FEATS[key] = encode(model, preprocess([torch.from_numpy(frame)], SIZE, "fast", torch.device("cpu")))[0]
@@ -260,7 +262,7 @@ def feats_of(model, frame):
 
 
 def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, clips, monkeypatch):
-    """A batched decoder call that raises is retried object by object: only the failing object fails
+    """A batched mask-decoder call that raises is retried object by object: only the failing object fails
     (its result says so, it is counted), its bank is left exactly as it was, the other stream's object is
     tracked; after max_attempts failures in a row the object is dropped with an event."""
     frames = decode_all(clips[0])
@@ -344,14 +346,14 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
     added = []  # wall-clock time of each re-add: every frame of that incarnation is captured after it
     try:
         for _ in range(4):
-            assert wait_until(busy_with_b, 30), acct.snapshot("b")
+            assert wait_for(busy_with_b, 30, 0.01), acct.snapshot("b")
             assert eng.control({"op": "remove_stream", "stream": "b"}, timeout=60) == {"ok": True}
             time.sleep(0.5)  # as between two `vidar control` calls (the first engine failed a's frames then)
             added.append(time.time())
             assert eng.control({"op": "add_stream", "stream": {"id": "b", "url": "synthetic://shapes?size=160x120&fps=15"}})["ok"]
             assert eng.control({"op": "add_object", "stream": "b", "id": 1, "box": [10, 10, 80, 60]})["ok"]
         published = acct.snapshot("a").published
-        assert wait_until(lambda: acct.snapshot("a").published > published, 30)
+        assert wait_for(lambda: acct.snapshot("a").published > published, 30, 0.01)
     finally:
         eng.stop()
     a = acct.snapshot("a")
@@ -375,60 +377,55 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
         assert all(t >= t_add for _, t in run), (t_add, run)
 
 
-def wait_until(pred, timeout):
-    t_end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < t_end:
-        time.sleep(0.01)
-    return pred()
-
-
 # -- threads, input-size levels, idle streams ------------------------------------------------------
 
 @pytest.mark.timeout(60)
 def test_a_threads_intra_op_count_sticks_when_another_thread_sets_another():
     """torch re-applies the count last set by ANY thread on a thread's first op: the output thread's
-    decoder_threads must survive an encoder thread setting its own count afterwards."""
+    tracking_threads must survive an encoder thread setting its own count afterwards."""
     import threading
     from engine.util.threads import set_intra_op_threads
     seen, first_set, other_set = {}, threading.Event(), threading.Event()
 
-    def decoder_thread():
+    def tracking_thread():
         set_intra_op_threads(1)
         first_set.set()
         other_set.wait(10)
         torch.ones(64, 64) @ torch.ones(64, 64)
-        seen["decoder"] = torch.get_num_threads()
+        seen["tracking"] = torch.get_num_threads()
 
     def encoder_thread():
         first_set.wait(10)
         set_intra_op_threads(2)
         seen["encoder"] = torch.get_num_threads()
         other_set.set()
-    threads = [threading.Thread(target=decoder_thread), threading.Thread(target=encoder_thread)]
+    threads = [threading.Thread(target=tracking_thread), threading.Thread(target=encoder_thread)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(20)
-    assert seen == {"decoder": 1, "encoder": 2}
+    assert seen == {"tracking": 1, "encoder": 2}
 
 
 @pytest.mark.timeout(120)
 def test_thread_defaults_fill_only_unset_keys(ckpt):
     from engine.config import Sam2Config
     from engine.models.sam2 import build_pool, sam2_thread_defaults
-    assert sam2_thread_defaults(8, "cuda") == {"encoders": 1, "threads": None, "decoder_threads": None}
+    assert sam2_thread_defaults(8, "cuda") == {"encoders": 1, "threads": None, "tracking_threads": None}
     for cores in (1, 2, 4, 16):
         d = sam2_thread_defaults(cores, torch.device("cpu"))
-        assert d["encoders"] >= 1 and d["threads"] >= 1 and d["decoder_threads"] >= 1
-        assert d["encoders"] * d["threads"] <= max(cores, 1) and d["decoder_threads"] <= max(cores, 1)
+        assert d["encoders"] >= 1 and d["threads"] >= 1 and d["tracking_threads"] >= 1
+        assert d["encoders"] * d["threads"] <= max(cores, 1) and d["tracking_threads"] <= max(cores, 1)
     base = {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE, "device": "cpu"}
     import os
     chosen = sam2_thread_defaults(os.cpu_count(), torch.device("cpu"))
     spec = build_pool(Sam2Config(**base))
     assert (len(spec.models), spec.threads, spec.output_threads) == (chosen["encoders"], chosen["threads"],
-                                                                         chosen["decoder_threads"])
-    spec = build_pool(Sam2Config(**base, threads=3, decoder_threads=5))  # what the user set is kept
+                                                                         chosen["tracking_threads"])
+    spec = build_pool(Sam2Config(**base, threads=3, tracking_threads=5))  # what the user set is kept
     assert (len(spec.models), spec.threads, spec.output_threads) == (chosen["encoders"], 3, 5)
+    # the key's old name (before the tracking stage was named for what it does) still reads
+    assert Sam2Config(**base, decoder_threads=4).tracking_threads == 4
     spec = build_pool(Sam2Config(**base, encoders=2))
     assert len(spec.models) == 2 and spec.models[1].model is spec.models[0].model
 
@@ -454,12 +451,15 @@ def test_degrade_sizes_validated(sizes, message):
 
 
 class _View:
-    """The part of a ring FrameView the SAM 2 encoder worker reads."""
+    """The part of a FrameRef the SAM 2 encoder worker reads."""
 
     def __init__(self, stream, pixels):
         from types import SimpleNamespace
         self.meta = SimpleNamespace(stream=stream, height=pixels.shape[0], width=pixels.shape[1])
-        self.pixels = torch.from_numpy(pixels)
+        self._pixels = torch.from_numpy(pixels)
+
+    def pixels(self):
+        return self._pixels
 
 
 @pytest.fixture(scope="module")
@@ -467,7 +467,7 @@ def pool128(ckpt):
     from engine.config import Sam2Config
     from engine.models.sam2 import build_pool
     return build_pool(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu",
-                                 degrade_sizes=[128], threads=2, decoder_threads=2))
+                                 degrade_sizes=[128], threads=2, tracking_threads=2))
 
 
 @pytest.mark.timeout(120)
@@ -478,7 +478,7 @@ def test_levels_share_the_weights(pool128):
     assert small.image_size == 128 and w.model.image_size == 256
     params = list(zip(w.model.parameters(), small.parameters()))
     assert params and all(p.data_ptr() == q.data_ptr() for p, q in params)  # one copy of the weights
-    assert pool128.processor.stage.models[128] is small  # the decoder stage steps with the same models
+    assert pool128.processor.stage.models[128] is small  # the tracking stage steps with the same models
     frame = decode_all_synthetic()
     for level, size in ((1, 128), (0, 256)):
         w.set_level(level)
@@ -565,7 +565,7 @@ def test_overloaded_sam2_pool_steps_down_to_a_smaller_input_size(model, ckpt, en
     """A live stream far faster than SAM 2 with `max_interval: 1` (no interval rung): the ladder's first
     rung is the smaller input size. The pool steps down, says so on the stream's events, and the
     objects go on being tracked at 128 px (the switch travels with the batches to the encoder and the
-    decoder stage). The budget is 6 steps of SAM 2 as measured here."""
+    tracking stage). The budget is 6 steps of SAM 2 as measured here."""
     from engine.publish.client import Subscriber
     budget_ms = 6 * sam2_step_seconds(model) * 1e3
     cfg = engine_config([{"id": "live", "url": "synthetic://shapes?size=320x240&fps=30", "max_interval": 1}],

@@ -20,7 +20,7 @@ from engine.models.weights import read_state_dict
 from engine.models.device import resolve_device, resolve_dtype
 from engine.models.sam2 import Sam2EncoderRunner
 from engine.models.sam2_model import available_configs, official_checkpoints, sam2_contract
-from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
+from engine.testing.sam2_ref import CONFIG, SIZE, make_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -212,7 +212,8 @@ def test_workers_take_the_contract_from_their_model(photos):
     w = classify(preprocess="exact")
     ref = Preprocessor(timm_contract(w.model), "exact", CPU)(tensors(photos))
     assert w.pre.data_config["input_size"] == (3, 160, 160)
-    assert torch.equal(w.prepare([type("F", (), {"pixels": t}) for t in tensors(photos)]), ref)
+    from engine.frames.ref import LooseFrames
+    assert torch.equal(w.prepare(LooseFrames(tensors(photos)).refs()), ref)
     s = sam2(image_size=128)
     assert s.pre.data_config["input_size"] == (3, 128, 128) == (3, s.model.image_size, s.model.image_size)
 

@@ -1,7 +1,6 @@
 """The Prometheus endpoint serves the same numbers as the accounting (and the status line)."""
 
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -9,7 +8,9 @@ import pytest
 from engine.core.engine import Engine
 from engine.control.runtime import StatusPrinter
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 
 
 def scrape(port):
@@ -24,9 +25,7 @@ def test_metrics_endpoint_matches_accounting(endpoint):
                         endpoint, metrics={"enabled": True, "port": port})
     eng = Engine(cfg, models={"classify": NoopRunner(per_frame_s=0.002)})
     eng.start()
-    t_end = time.monotonic() + 30
-    while not eng.finished() and time.monotonic() < t_end:
-        time.sleep(0.05)
+    wait_for(eng.finished, 30)
     m = scrape(port)
     s = eng.pools["classify"].acct.snapshot("m1")
     lines = StatusPrinter(eng).lines()

@@ -7,7 +7,6 @@ import time
 
 import msgpack
 import pytest
-import zmq
 
 from engine.frames.accounting import Accounting
 from engine.publish.client import Subscriber
@@ -15,6 +14,8 @@ from engine.config import PublishConfig
 from engine.frames.lifecycle import FrameMeta
 from engine.publish.publisher import EVENTS_PER_STREAM, Publisher
 from engine.publish.schema import SCHEMA_VERSION
+from engine.testing.wait import wait_for
+from tests.support.collector import stuck_subscriber
 
 
 def meta(seq, live=False, deadline=None, stream="cam1"):
@@ -33,25 +34,6 @@ def connected(pub, sub_endpoint, topics=("",), n=1, hwm=100_000):
     sub = Subscriber(sub_endpoint, topics, hwm=hwm)
     assert pub.wait_subscribers(n, 5), "subscriber did not connect"
     return sub
-
-
-def stuck_subscriber(endpoint, topics):
-    """A subscriber that never reads, with the smallest queues (set before connecting, so they apply)."""
-    sock = zmq.Context.instance().socket(zmq.SUB)
-    sock.setsockopt(zmq.RCVHWM, 1)
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    for t in topics:
-        sock.setsockopt(zmq.SUBSCRIBE, t.encode())
-    return sock
-
-
-def wait_for(pred, timeout=10):
-    t_end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < t_end:
-        time.sleep(0.01)
-    return pred()
 
 
 def test_result_and_event_schema(endpoint):
@@ -163,11 +145,11 @@ def test_a_stalled_offline_stream_never_delays_another_stream(endpoint):
     acct.add_holder("publisher", lambda: pub.held("classify"))
     stuck = stuck_subscriber(endpoint, ["classify.off", "event.off"])
     reader = Subscriber(endpoint, ["classify.live"])
-    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 3)
+    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 3, 10, 0.01)
     for i in range(300):  # far more than the stuck subscriber's queues hold
         submit(pub, acct, meta(i, stream="off"), {"pad": b"x" * 20_000})
     pub.submit_event("off", "eos", "end of stream")
-    assert wait_for(lambda: pub.pending().get("off", 0) > 0 and acct.snapshot("off").published > 0)
+    assert wait_for(lambda: pub.pending().get("off", 0) > 0 and acct.snapshot("off").published > 0, 10, 0.01)
     delays = []
     for i in range(100):
         t0 = time.monotonic()
@@ -176,7 +158,7 @@ def test_a_stalled_offline_stream_never_delays_another_stream(endpoint):
         assert m is not None and m["seq"] == i, (i, m, acct.snapshot("live"))
         delays.append(time.monotonic() - t0)
     # the publisher counts a result after ZeroMQ took it, so the reader may see it a moment before
-    assert wait_for(lambda: acct.snapshot("live").published == 100), acct.snapshot("live")
+    assert wait_for(lambda: acct.snapshot("live").published == 100, 10, 0.01), acct.snapshot("live")
     off = acct.snapshot("off")
     live = acct.snapshot("live")
     assert live.published == 100 and live.dropped == {} and sorted(delays)[95] < 0.1, sorted(delays)[-5:]
@@ -195,7 +177,7 @@ def test_events_are_bounded_and_never_block(endpoint):
     acct = Accounting("classify")
     stuck = stuck_subscriber(endpoint, ["event.noisy"])
     reader = Subscriber(endpoint, ["classify.other"])
-    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 2)
+    assert pub.wait_subscribers(2, 5) and wait_for(lambda: pub.subscriptions == 2, 10, 0.01)
     n = EVENTS_PER_STREAM * 6
     for i in range(n):  # 50 KB each: far more than the stuck subscriber's queues and socket buffers hold
         pub.submit_event("noisy", "reconnecting", "x" * 50_000 + str(i))
@@ -204,7 +186,7 @@ def test_events_are_bounded_and_never_block(endpoint):
         submit(pub, acct, meta(i, live=True, deadline=time.monotonic() + 0.5, stream="other"))
         assert reader.recv(2) is not None, (i, acct.snapshot("other"), pub.pending(), pub.stats)
     # the publisher thread counts a result published once its send returned: the reader can be first
-    assert wait_for(lambda: acct.snapshot("other").published == 20, 5), acct.snapshot("other")
+    assert wait_for(lambda: acct.snapshot("other").published == 20, 5, 0.01), acct.snapshot("other")
     assert 0 < pub.pending()["noisy"] <= EVENTS_PER_STREAM
     dropped = pub.stats.events_dropped["noisy"]
     assert dropped > 0 and pub.stats.events + dropped + pub.pending()["noisy"] == n + 1
@@ -226,7 +208,7 @@ def test_min_subscribers_counts_subscribers_not_subscriptions(endpoint):
     assert pub.wait_subscribers(2, 5) and pub.subscribers == 2
     one.close()
     two.close()
-    assert wait_for(lambda: pub.subscribers == 0, 5)
+    assert wait_for(lambda: pub.subscribers == 0, 5, 0.01)
     pub.close()
 
 

@@ -10,7 +10,8 @@ from engine.config import QosConfig
 from engine.core.engine import Engine
 from engine.sched.ladder import TICK_S, Ladder, Rung, rungs
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
 
 Q = QosConfig(degrade_drop_share=0.2, degrade_after_s=2.0, restore_load=0.7, restore_after_s=3.0)
 
@@ -135,9 +136,7 @@ def test_real_overload_degrades_to_regular_sampling_and_climbs_back(endpoint):
     eng.start()
     pool = eng.pools["classify"]
     try:
-        t_end = time.monotonic() + 30
-        while pool.qos.state()["rung"] == 0 and time.monotonic() < t_end:
-            time.sleep(0.1)
+        wait_for(lambda: pool.qos.state()["rung"] != 0, 30, 0.1)
         assert pool.qos.state()["rung"] >= 1, pool.qos.state()
         time.sleep(1.0)  # settle at the rung it reached
         k = pool.qos.state()["interval"]
@@ -146,9 +145,7 @@ def test_real_overload_degrades_to_regular_sampling_and_climbs_back(endpoint):
         t1 = time.monotonic()
         state_degraded = pool.qos.state()
         worker.per_frame_s = 1 / 600  # the load ends: 20x the capacity
-        t_end = time.monotonic() + 30
-        while pool.qos.state()["rung"] > 0 and time.monotonic() < t_end:
-            time.sleep(0.1)
+        wait_for(lambda: pool.qos.state()["rung"] <= 0, 30, 0.1)
         restored = pool.qos.state()
         metrics = eng.metrics.registry.get_sample_value("vidar_qos_steps_total", {"pool": "classify",
                                                                                   "direction": "restored"})

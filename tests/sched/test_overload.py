@@ -12,7 +12,7 @@ import zmq
 from engine.publish.client import Subscriber
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config
+from tests.support.engines import engine_config
 
 
 def test_twice_the_capacity_for_30_s(endpoint):

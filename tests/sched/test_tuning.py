@@ -42,7 +42,7 @@ def test_split_table(cores, live, expect):
 def test_engine_logs_the_chosen_plan(endpoint, monkeypatch, caplog, mode, expect):
     from engine.core import engine as engine_mod
     from engine.core.engine import Engine
-    from tests.conftest import engine_config
+    from tests.support.engines import engine_config
     monkeypatch.setattr(engine_mod, "usable_cores", lambda: 2)
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=96x64&fps=30&frames=3", "mode": mode}],
                         endpoint)

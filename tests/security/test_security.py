@@ -3,7 +3,6 @@ client receive nothing; keys are never logged. Default binds are loopback."""
 
 import logging
 import shutil
-import time
 
 import pytest
 
@@ -14,8 +13,8 @@ from engine.core.engine import Engine
 from engine.errors import ConfigError
 from engine.security.keys import create_keys
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port
-from tests.control.test_control import ControlServer, with_control
+from tests.support.control import ControlServer, with_control
+from tests.support.engines import engine_config
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ must end (no hang), count what it lost, and never crash."""
 import numpy as np
 
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, write_clip
-from tests.support.media import corrupt_mdat, faststart
-from tests.core.test_e2e import Collector, run_engine
+from engine.testing.clips import corrupt_mdat, faststart, write_clip
+from tests.support.collector import Collector
+from tests.support.engines import engine_config, run_engine
 
 
 def h264_raw(path, frames, size, seed=0):

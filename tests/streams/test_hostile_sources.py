@@ -23,7 +23,10 @@ from streams import open_source, redact_url
 from streams.urls import scheme_error
 from streams.pyav import FileSource
 from streams.synthetic import SyntheticSource
-from tests.conftest import decode_all, engine_config, free_port, wait_for, write_clip
+from engine.testing.clips import decode_all, write_clip
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

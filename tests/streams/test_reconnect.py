@@ -1,5 +1,5 @@
 """G1/G2: dead, hung and refused RTSP streams come back on their own, without disturbing the others.
-A real GStreamer RTSP server on 127.0.0.1, and tests/tcp_proxy.py in front of it for network faults."""
+A real GStreamer RTSP server on 127.0.0.1, and tests/support/tcp_proxy.py in front of it for network faults."""
 
 import logging
 import subprocess
@@ -11,9 +11,12 @@ import pytest
 
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port, write_clip
+from engine.testing.clips import write_clip
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
+from tests.support.net import free_port
+from tests.support.rtsp import SERVER, SYSTEM_PY, require_server
 from tests.support.tcp_proxy import FaultProxy
-from tests.streams.test_rtsp import SERVER, SYSTEM_PY, require_server
 
 pytestmark = pytest.mark.rtsp
 
@@ -51,30 +54,23 @@ def published(eng, sid):
     return eng.pools["classify"].acct.snapshot(sid).published
 
 
-def wait(pred, timeout):
-    t_end = time.monotonic() + timeout
-    while not pred() and time.monotonic() < t_end:
-        time.sleep(0.05)
-    return pred()
-
-
 def test_server_killed_and_restarted(server, endpoint):
     port, procs = server
     eng = engine_with(f"rtsp://user:hunter2@127.0.0.1:{port}/test", endpoint)
     ingest = eng.streams["cam"].ingest
     try:
-        assert wait(lambda: published(eng, "cam") > 10, 15)
+        assert wait_for(lambda: published(eng, "cam") > 10, 15)
         procs[0].kill()
         procs[0].wait(5)
         t_kill = time.monotonic()
-        assert wait(lambda: ingest.state == "reconnecting", 2 + 1)  # stall_timeout_s + 1 s
+        assert wait_for(lambda: ingest.state == "reconnecting", 2 + 1)  # stall_timeout_s + 1 s
         detected = time.monotonic() - t_kill
         other_before = published(eng, "other")
         time.sleep(max(0.0, 10 - (time.monotonic() - t_kill)))
         procs.append(start_server(port))
         t_back = time.monotonic()
         seen = published(eng, "cam")
-        assert wait(lambda: published(eng, "cam") > seen + 5, 16 + 2)  # the backoff step then (~16 s) + 2 s
+        assert wait_for(lambda: published(eng, "cam") > seen + 5, 16 + 2)  # the backoff step then (~16 s) + 2 s
         resumed = time.monotonic() - t_back
         assert ingest.reconnects == 1
         assert published(eng, "other") - other_before > 25 * 10  # ~30 fps all along
@@ -94,11 +90,11 @@ def test_blackhole_mid_stream_and_at_connect(server, endpoint):
                           reconnect_max_s=2)
         ingest = eng.streams["cam"].ingest
         try:
-            assert wait(lambda: published(eng, "cam") > 10, 15)
+            assert wait_for(lambda: published(eng, "cam") > 10, 15)
             threads = threading.active_count()
             proxy.set_mode("blackhole")  # the server hangs: no byte either way, no error
             t0 = time.monotonic()
-            assert wait(lambda: ingest.state == "reconnecting", 2 * 2 + 2)
+            assert wait_for(lambda: ingest.state == "reconnecting", 2 * 2 + 2)
             stalled_after = time.monotonic() - t0
             n0 = len(ingest.attempts)
             time.sleep(8)  # connects into the black hole time out (open_timeout_s), paced by the backoff
@@ -106,7 +102,7 @@ def test_blackhole_mid_stream_and_at_connect(server, endpoint):
             assert 2 <= len(attempts) <= 5
             proxy.set_mode("pass")
             seen = published(eng, "cam")
-            assert wait(lambda: published(eng, "cam") > seen + 5, 2 + 2 + 2 + 3)
+            assert wait_for(lambda: published(eng, "cam") > seen + 5, 2 + 2 + 2 + 3)
             assert threading.active_count() <= threads + 1  # no reader thread left stuck behind
         finally:
             eng.stop()
@@ -156,7 +152,7 @@ def test_server_that_ends_every_session_at_once_is_retried_with_growing_pauses(t
         eng = engine_with(f"rtsp://127.0.0.1:{port}/test", endpoint, reconnect_initial_s=initial, reconnect_max_s=cap)
         ingest = eng.streams["cam"].ingest
         try:
-            assert wait(lambda: len(ingest.attempts) >= 7, 40), list(ingest.attempts)
+            assert wait_for(lambda: len(ingest.attempts) >= 7, 40), list(ingest.attempts)
         finally:
             eng.stop()
             server.terminate()

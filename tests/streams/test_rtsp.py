@@ -1,40 +1,23 @@
-"""RTSP against a real server: Debian's GStreamer RTSP server on 127.0.0.1 (tests/rtsp_server.py).
+"""RTSP against a real server: Debian's GStreamer RTSP server on 127.0.0.1 (tests/support/rtsp_server.py).
 
 `make test` installs the server's packages (scripts/install-rtsp-deps.sh) and sets
 VIDAR_REQUIRE_RTSP=1, so there these tests fail rather than skip when the server is missing.
 """
 
-import os
 import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import engine_config, free_port, write_clip
-from tests.core.test_e2e import Collector
 from engine.core.engine import Engine
 from engine.models.noop import NoopRunner
-
-SERVER = Path(__file__).resolve().parents[1] / "support" / "rtsp_server.py"
-SYSTEM_PY = "/usr/bin/python3"
-
-
-def _server_available() -> bool:
-    probe = "import gi; gi.require_version('GstRtspServer','1.0'); from gi.repository import GstRtspServer"
-    return os.path.exists(SYSTEM_PY) and subprocess.run([SYSTEM_PY, "-c", probe], capture_output=True).returncode == 0
-
+from engine.testing.clips import write_clip
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config
+from tests.support.net import free_port
+from tests.support.rtsp import SERVER, SYSTEM_PY, require_server
 
 pytestmark = pytest.mark.rtsp
-
-
-def require_server() -> None:
-    """Skip without the server; fail instead under `make test` (VIDAR_REQUIRE_RTSP=1)."""
-    if not _server_available():
-        if os.environ.get("VIDAR_REQUIRE_RTSP") == "1":
-            pytest.fail("GStreamer RTSP server missing: run scripts/install-rtsp-deps.sh (make test does)")
-        pytest.skip("GStreamer RTSP server not installed (scripts/install-rtsp-deps.sh)")
 
 
 @pytest.fixture
@@ -64,9 +47,7 @@ def test_rtsp_stream_yields_results(rtsp_server, endpoint):
     col = Collector(endpoint, ["cam1"])
     eng = Engine(cfg)  # the real test_vit classifier
     eng.start()
-    t_end = time.monotonic() + 20
-    while eng.pools["classify"].acct.snapshot("cam1").published < 20 and time.monotonic() < t_end:
-        time.sleep(0.1)
+    wait_for(lambda: eng.pools["classify"].acct.snapshot("cam1").published >= 20, 20, 0.1)
     eng.stop()
     col._t.join(2)
     col.sub.close()
@@ -90,9 +71,7 @@ def test_rtsp_server_gone_is_a_disconnect_not_an_eos(rtsp_server, tmp_path, endp
     eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()
     ingest = eng.streams["cam1"].ingest
-    t_end = time.monotonic() + 15
-    while ingest.reconnects < 2 and time.monotonic() < t_end:
-        time.sleep(0.1)
+    wait_for(lambda: ingest.reconnects >= 2, 15, 0.1)
     published = eng.pools["classify"].acct.snapshot("cam1").published
     eng.stop()
     assert ingest.reconnects >= 2

@@ -7,7 +7,7 @@ from engine.errors import SourceOpenError
 from streams import open_source, redact_url
 from streams.pyav import FileSource
 from streams.synthetic import SyntheticSource
-from tests.conftest import decode_all, write_clip
+from engine.testing.clips import decode_all, write_clip
 
 
 def test_synthetic_is_deterministic_and_moving():

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from engine.testing.wait import wait_for
 from tests.support.tcp_proxy import FaultProxy
 
 
@@ -93,15 +94,6 @@ def roundtrip(sock, payload=b"hello"):
     assert recv_exactly(sock, len(payload)) == payload
 
 
-def wait_for(pred, timeout=1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
-
-
 @pytest.mark.timeout(30)
 def test_pass_echoes(proxy, echo):
     assert proxy.mode == "pass" and proxy.port != echo.port
@@ -111,7 +103,7 @@ def test_pass_echoes(proxy, echo):
         threading.Thread(target=c.sendall, args=(payload,), daemon=True).start()
         assert recv_exactly(c, len(payload)) == payload
         assert proxy.connections == 1 and proxy.active == 1
-    assert wait_for(lambda: proxy.active == 0)
+    assert wait_for(lambda: proxy.active == 0, 1.0, 0.01)
     assert echo.received == 5 + (1 << 20)
 
 
@@ -122,7 +114,7 @@ def test_half_close_is_forwarded(proxy):
         c.shutdown(socket.SHUT_WR)
         assert recv_exactly(c, 3) == b"bye"
         assert c.recv(10) == b""  # the server saw our FIN, closed, and its FIN came back
-    assert wait_for(lambda: proxy.active == 0)
+    assert wait_for(lambda: proxy.active == 0, 1.0, 0.01)
 
 
 @pytest.mark.timeout(30)

@@ -1,6 +1,6 @@
 """The live view's server side: the tap (no cost unwatched, capped, its drops counted, never on the data
 path), frames matched to their results by seq, the JSON API over the control path, and its security.
-The page itself is tested in a real browser in tests/test_view_browser.py."""
+The page itself is tested in a real browser in tests/view/test_view_browser.py."""
 
 import asyncio
 import json
@@ -22,7 +22,9 @@ from engine.frames.lifecycle import FrameMeta
 from engine.view.hub import ViewHub
 from engine.view.server import ViewThread
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -32,15 +34,6 @@ TOKEN = "t0ken-for-the-tests-0123"
 # -- the hub alone: matching by seq ---------------------------------------------------------------
 def _meta(seq, w=32, h=24):
     return FrameMeta("cam", seq, seq / 30, time.time(), height=h, width=w)
-
-
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 @pytest.fixture
@@ -69,10 +62,10 @@ def test_a_frame_is_shown_only_with_the_results_of_the_same_seq(hub):
     hub.watch("cam", +1)
     hub.capture(_meta(10), _frame(10))
     hub.capture(_meta(20), _frame(20))
-    assert _wait(lambda: len(hub._streams["cam"].frames) == 2)
+    assert wait_for(lambda: len(hub._streams["cam"].frames) == 2, 10.0, 0.01)
     assert hub.shown("cam")[1] is None  # no results yet: nothing to show
     hub.on_message({"type": "classify", "stream": "cam", "seq": 10, "topk": [[1, "a", 0.9]]})
-    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
     _, frame, results = hub.shown("cam")
     assert frame.seq == 10 and results["classify"]["seq"] == 10
     # results for a frame the tap did not take are never put on a held frame
@@ -81,7 +74,7 @@ def test_a_frame_is_shown_only_with_the_results_of_the_same_seq(hub):
     _, frame, results = hub.shown("cam")
     assert frame.seq == 10 and results["classify"]["seq"] == 10
     hub.on_message({"type": "classify", "stream": "cam", "seq": 20})
-    assert _wait(lambda: hub.shown("cam")[1].seq == 20)
+    assert wait_for(lambda: hub.shown("cam")[1].seq == 20, 10.0, 0.01)
     _, frame, results = hub.shown("cam")
     assert results["classify"]["seq"] == 20
     jpeg = np.frombuffer(frame.jpeg, np.uint8)
@@ -95,10 +88,10 @@ def test_a_second_pool_result_joins_the_frame_on_show(hub):
     hub.watch("cam", +1)
     hub.capture(_meta(5), _frame(5))
     hub.on_message({"type": "classify", "stream": "cam", "seq": 5})
-    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
     v0 = hub.shown("cam")[0]
     hub.on_message({"type": "sam2", "stream": "cam", "seq": 5, "objects": []})
-    assert _wait(lambda: hub.shown("cam")[0] > v0)
+    assert wait_for(lambda: hub.shown("cam")[0] > v0, 10.0, 0.01)
     assert set(hub.shown("cam")[2]) == {"classify", "sam2"}
 
 
@@ -115,7 +108,7 @@ def test_a_frame_waits_for_every_pool_until_its_deadline(hub):
     time.sleep(0.15)
     assert hub.shown("cam")[1] is None  # classify alone: SAM 2's result may still come
     hub.on_message({"type": "sam2", "stream": "cam", "seq": 1, "objects": [{"id": 1}]})
-    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
     assert set(hub.shown("cam")[2]) == {"classify", "sam2"}
     m2 = _meta(2)
     m2.deadline = time.monotonic() + 0.3
@@ -124,7 +117,7 @@ def test_a_frame_waits_for_every_pool_until_its_deadline(hub):
     time.sleep(0.1)
     assert hub.shown("cam")[1].seq == 1
     assert hub.state("cam")["behind_frames"] == 1
-    assert _wait(lambda: hub.shown("cam")[1].seq == 2)  # past its deadline: no SAM 2 result can come now
+    assert wait_for(lambda: hub.shown("cam")[1].seq == 2, 10.0, 0.01)  # past its deadline: no SAM 2 result can come now
     assert set(hub.shown("cam")[2]) == {"classify"}
 
 
@@ -133,7 +126,7 @@ def test_a_page_that_comes_back_never_gets_a_stale_frame(hub):
     hub.watch("cam", +1)
     hub.capture(_meta(3), _frame(3))
     hub.on_message({"type": "classify", "stream": "cam", "seq": 3})
-    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
     hub.watch("cam", -1)
     hub.expect("cam", [])
     hub.watch("cam", +1)
@@ -150,7 +143,7 @@ def test_a_re_added_stream_never_meets_results_of_its_previous_run(hub):
     time.sleep(0.2)
     assert hub.shown("cam")[1] is None  # the old run's result for seq 4 is gone
     hub.on_message({"type": "classify", "stream": "cam", "seq": 4, "run": "new"})
-    assert _wait(lambda: hub.shown("cam")[1] is not None)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
     assert hub.shown("cam")[2]["classify"]["run"] == "new"
 
 
@@ -165,7 +158,7 @@ def test_a_third_capture_with_both_buffers_busy_is_skipped_and_counted(hub):
     hub.watch("cam", +1)
     hub.capture(_meta(1), _frame(1))
     st = hub._streams["cam"]
-    assert _wait(lambda: not st.pending)
+    assert wait_for(lambda: not st.pending, 10.0, 0.01)
     with hub._lock:
         st.free.clear()  # one buffer at the encoder, the other being filled by another pool's worker
     before = st.counts["busy"]
@@ -180,7 +173,7 @@ def test_frames_without_results_end_counted(hub):
         hub.capture(_meta(seq), _frame(seq))
         time.sleep(0.02)
     hub.on_message({"type": "classify", "stream": "cam", "seq": 11})
-    assert _wait(lambda: hub.counters()["shown"].get("cam") == 1)
+    assert wait_for(lambda: hub.counters()["shown"].get("cam") == 1, 10.0, 0.01)
     c = {k: v.get("cam", 0) for k, v in hub.counters().items()}
     assert c["shown"] == 1 and c["unmatched"] + c["busy"] == 11, c  # every frame the tap took ended once
 
@@ -270,7 +263,7 @@ def watch(url, streams, seconds, headers=None):
 
 def test_api_lists_adds_and_removes_streams_through_the_control_path(viewed):
     eng, view = viewed
-    assert _wait(lambda: json.loads(http(view.url + "api/streams")[1])["streams"]["cam1"]["state"] == "running")
+    assert wait_for(lambda: json.loads(http(view.url + "api/streams")[1])["streams"]["cam1"]["state"] == "running", 10.0, 0.01)
     status, body = http(view.url + "api/streams", "POST", {"id": "cam2", "url": "synthetic://shapes?size=64x48"})
     assert (status, json.loads(body)) == (200, {"ok": True, "stream": "cam2"})
     assert "cam2" in eng.live_streams()
@@ -281,7 +274,7 @@ def test_api_lists_adds_and_removes_streams_through_the_control_path(viewed):
     status, body = http(view.url + "api/streams", "POST", {"id": "cam3"})
     assert status == 400 and "stream.url" in json.loads(body)["error"]
     assert http(view.url + "api/streams/cam2", "DELETE") == (200, '{"ok": true}')
-    assert _wait(lambda: "cam2" not in eng.live_streams())
+    assert wait_for(lambda: "cam2" not in eng.live_streams(), 10.0, 0.01)
     status, body = http(view.url + "api/streams/cam1/objects", "POST", {"id": 1, "box": [0, 0, 10, 10]})
     assert status == 400 and "needs the sam2 pool" in json.loads(body)["error"]
     status, body = http(view.url + "api/streams/nope")
@@ -352,7 +345,7 @@ def test_stream_credentials_never_reach_the_page(endpoint):
     secret = "hunter2secret"
     eng, view = _view_engine(endpoint, [{"id": "cam1", "url": f"rtsp://admin:{secret}@127.0.0.1:{free_port()}/x"}])
     try:
-        _wait(lambda: eng.streams["cam1"].ingest.state == "reconnecting")
+        wait_for(lambda: eng.streams["cam1"].ingest.state == "reconnecting", 10.0, 0.01)
         states, _ = watch(view.url, ["cam1"], 1.5)
         _, listing = http(view.url + "api/streams")
         text = json.dumps(states) + listing
@@ -409,7 +402,7 @@ def test_auto_token_is_fresh_and_long():
 def test_vidar_run_refuses_a_public_view_without_token(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("streams: [{id: a, url: 'synthetic://shapes'}]\nview: {host: 0.0.0.0}\n")
-    r = subprocess.run([sys.executable, "-m", "engine.control.cli", "run", str(cfg)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(cfg)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "view.host" in r.stderr and "view.token" in r.stderr
 
 
@@ -441,7 +434,7 @@ def _encoded_side(hub, seq):
     """Offer an 800x600 frame with its result: the longer side of the JPEG the hub shows for it."""
     hub.capture(_meta(seq, 800, 600), torch.full((600, 800, 3), 100, dtype=torch.uint8))
     hub.on_message({"type": "classify", "stream": "cam", "seq": seq})
-    assert _wait(lambda: hub.shown("cam")[1] is not None and hub.shown("cam")[1].seq == seq)
+    assert wait_for(lambda: hub.shown("cam")[1] is not None and hub.shown("cam")[1].seq == seq, 10.0, 0.01)
     return _side(hub.shown("cam")[1].jpeg)
 
 
@@ -558,7 +551,7 @@ def test_each_page_gets_frames_at_the_largest_size_asked_over_the_websocket(endp
             seen, after = sides(got, phase)
             assert len(after) >= 3 and set(after) == {expected}, (phase, expected, seen)
         assert watchers == 1  # the size change replaced A's size: it did not add a watcher
-        assert _wait(lambda: "cam1" not in eng.view._streams or not eng.view._streams["cam1"].watchers)
+        assert wait_for(lambda: "cam1" not in eng.view._streams or not eng.view._streams["cam1"].watchers, 10.0, 0.01)
     finally:
         view.close()
         eng.stop()

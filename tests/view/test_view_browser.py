@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +27,8 @@ import numpy as np
 import pytest
 
 from engine.publish.client import Subscriber
-from tests.conftest import free_port
+from engine.testing.wait import wait_for
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "engine" / "view" / "static"
@@ -53,17 +53,6 @@ def _need_browser():  # module scope: it runs before the other module fixtures (
         if os.environ.get("VIDAR_REQUIRE_BROWSER") == "1":
             pytest.fail(f"VIDAR_REQUIRE_BROWSER=1 but {why}", pytrace=False)
         pytest.skip(f"{why}; set VIDAR_REQUIRE_BROWSER=1 to fail instead of skipping")
-
-
-def wait_for(check, what: str, timeout: float = DEADLINE_S, every: float = 0.1):
-    """Poll `check` until it returns something truthy; fail naming `what` (and the last value)."""
-    end, value = time.monotonic() + timeout, None
-    while time.monotonic() < end:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what} (last: {value!r})")
 
 
 class Vidar:
@@ -212,7 +201,7 @@ def test_rle_decoder_matches_pycocotools(browser):
 
 # -- 3. draw to track (SAM 2) ---------------------------------------------------------------------------
 def test_draw_to_track_adds_and_removes_objects(browser, tmp_path):
-    from tests.support.sam2_ref import CONFIG, SIZE, make_checkpoint
+    from engine.testing.sam2_ref import CONFIG, SIZE, make_checkpoint
     ckpt = make_checkpoint(tmp_path / "ck.pt")
     tree = {"streams": [{"id": "cam", "url": "synthetic://shapes?size=320x240&fps=5", "mode": "live"}],
             "models": {"sam2": {"config": CONFIG, "checkpoint": str(ckpt), "image_size": SIZE, "device": "cpu"}},
@@ -221,8 +210,10 @@ def test_draw_to_track_adds_and_removes_objects(browser, tmp_path):
     js_errors(browser)
     try:
         open_page(browser, eng, "/stream/cam")
-        wait_for(lambda: tiles(browser).get("cam", {}).get("frame"), "a first frame")
-        wait_for(lambda: browser.find_element(By.ID, "tracking").is_displayed(), "the objects panel")
+        assert wait_for(lambda: tiles(browser).get("cam", {}).get("frame"), DEADLINE_S, 0.1), \
+            "timed out waiting for a first frame"
+        assert wait_for(lambda: browser.find_element(By.ID, "tracking").is_displayed(), DEADLINE_S, 0.1), \
+            "timed out waiting for the objects panel"
         browser.execute_script(  # record what the page sends: the prompt must be in the stream's pixels
             "window.sent = []; const f = window.fetch; window.fetch = (url, init) => {"
             " if (init && init.body) window.sent.push(JSON.parse(init.body)); return f(url, init); };")
@@ -235,27 +226,34 @@ def test_draw_to_track_adds_and_removes_objects(browser, tmp_path):
         ActionChains(browser).move_to_element_with_offset(canvas, *at(*box[:2])).click_and_hold() \
             .move_to_element_with_offset(canvas, *at(100, 100)).move_to_element_with_offset(canvas, *at(*box[2:])) \
             .release().perform()
-        wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [1], "object 1 in GET /api/streams")
+        assert wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [1], DEADLINE_S, 0.1), \
+            "timed out waiting for object 1 in GET /api/streams"
         [sent] = browser.execute_script("return window.sent")
         assert sent["id"] == 1 and np.allclose(sent["box"], box, atol=2), sent
-        row = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "li[data-object='1']"), "object 1's row")[0]
+        rows = wait_for(lambda: browser.find_elements(By.CSS_SELECTOR, "li[data-object='1']"), DEADLINE_S, 0.1)
+        assert rows, "timed out waiting for object 1's row"
+        row = rows[0]
         color = [int(c) for c in row.get_attribute("data-color").split(",")]
 
         def mask_in_box():  # the mask's opaque outline, in object 1's colour, inside the drawn box
             t = tiles(browser)["cam"]
             px = canvas_pixels(browser, "canvas.frame")[box[1]:box[3], box[0]:box[2], :3]
             return t["frame"] == t["result"] and int((px == color).all(-1).sum())
-        assert wait_for(mask_in_box, "object 1's mask drawn inside the box") >= 20
+        assert wait_for(mask_in_box, DEADLINE_S, 0.1) >= 20, \
+            "timed out waiting for object 1's mask drawn inside the box"
         browser.find_element(By.CSS_SELECTOR, "li[data-object='1'] .remove-object").click()
-        wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [], "object 1 gone from the API")
-        wait_for(lambda: not browser.find_elements(By.CSS_SELECTOR, "li[data-object='1']"), "object 1's row gone")
+        assert wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [], DEADLINE_S, 0.1), \
+            "timed out waiting for object 1 gone from the API"
+        assert wait_for(lambda: not browser.find_elements(By.CSS_SELECTOR, "li[data-object='1']"), DEADLINE_S, 0.1), \
+            "timed out waiting for object 1's row gone"
         # points: one on the object, one shift-clicked as background, then Track: the next free id
         ActionChains(browser).move_to_element_with_offset(canvas, *at(160, 120)).click() \
             .move_to_element_with_offset(canvas, *at(20, 20)).key_down(Keys.SHIFT).click().key_up(Keys.SHIFT).perform()
         count = browser.find_element(By.CSS_SELECTOR, "#points .count").text
         assert count.startswith("1 object point(s), 1 background"), count
         browser.find_element(By.CSS_SELECTOR, "#points .send").click()
-        wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [2], "object 2 (points) in the API")
+        assert wait_for(lambda: eng.api()["streams"]["cam"]["objects"] == [2], DEADLINE_S, 0.1), \
+            "timed out waiting for object 2 (points) in the API"
         sent = browser.execute_script("return window.sent")[-1]
         assert sent["id"] == 2 and np.allclose(sent["points"], [[160, 120, 1], [20, 20, 0]], atol=2), sent
         assert js_errors(browser) == []
@@ -269,8 +267,8 @@ def test_all_streams_page_shows_frames_results_and_stats(browser, classify):
     published = {}
     js_errors(browser)
     open_page(browser, classify)
-    wait_for(lambda: set(tiles(browser)) == {"a", "b"} and all(t["frame"] for t in tiles(browser).values()),
-             "two tiles with frames")
+    assert wait_for(lambda: set(tiles(browser)) == {"a", "b"} and all(t["frame"] for t in tiles(browser).values()),
+                    DEADLINE_S, 0.1), "timed out waiting for two tiles with frames"
     pixels = canvas_pixels(browser, "[data-stream='a'] canvas.frame")
     assert pixels.shape == (240, 320, 4) and pixels[..., :3].std() > 10, "the frame canvas is blank"
 
@@ -281,7 +279,9 @@ def test_all_streams_page_shows_frames_results_and_stats(browser, classify):
             "const t = document.querySelector(\"[data-stream='a']\");"
             "return [t.dataset.resultSeq, t.querySelector('.caption .top1')?.textContent];")
         return int(seq) in published and (text, published[int(seq)])
-    text, label = wait_for(caption_matches, "a caption for a seq whose result was published")
+    caption = wait_for(caption_matches, DEADLINE_S, 0.1)
+    assert caption, "timed out waiting for a caption for a seq whose result was published"
+    text, label = caption
     sub.close()
     assert text.startswith(label + " ") and text.endswith("%")
     assert browser.find_element(By.CSS_SELECTOR, "[data-stream='a'] .caption").is_displayed()  # top1: new per frame
@@ -290,11 +290,13 @@ def test_all_streams_page_shows_frames_results_and_stats(browser, classify):
         assert tile.get_attribute("data-state") == "running"
         assert tile.find_element(By.CSS_SELECTOR, ".state").text == "running"
         rates = wait_for(lambda: re.search(r"in (\d+\.\d) fps · out (\d+\.\d) fps",
-                                           tile.find_element(By.CSS_SELECTOR, ".pool .rates").text), "fps")
+                                           tile.find_element(By.CSS_SELECTOR, ".pool .rates").text), DEADLINE_S, 0.1)
+        assert rates, "timed out waiting for fps"
         assert float(rates[1]) > 0 and float(rates[2]) > 0
         assert tile.find_element(By.CSS_SELECTOR, ".pool .drops").text.startswith("dropped: ")
         assert "budget 1000 ms" in tile.find_element(By.CSS_SELECTOR, ".pool .legend").text
-        wait_for(lambda: chart_lines(browser, sid), "the p50 and p99 lines on the latency chart")
+        assert wait_for(lambda: chart_lines(browser, sid), DEADLINE_S, 0.1), \
+            "timed out waiting for the p50 and p99 lines on the latency chart"
     assert js_errors(browser) == []
 
 
@@ -308,8 +310,8 @@ def test_overlays_are_drawn_on_their_own_frame(browser, classify):
         " const d = r.target.dataset; window.seen.push([d.stream, d.frameSeq, d.resultSeq]); } })"
         ".observe(document.getElementById('tiles'),"
         " {subtree: true, attributeFilter: ['data-frame-seq', 'data-result-seq']});")
-    wait_for(lambda: browser.execute_script("return new Set(window.seen.map((s) => s[0] + s[1])).size") >= 40,
-             "40 frame updates")
+    assert wait_for(lambda: browser.execute_script("return new Set(window.seen.map((s) => s[0] + s[1])).size") >= 40,
+                    DEADLINE_S, 0.1), "timed out waiting for 40 frame updates"
     seen = browser.execute_script("return window.seen")
     for sid in ("a", "b"):
         draws = [(f, r) for s, f, r in seen if s == sid]
@@ -323,8 +325,8 @@ def test_tiles_get_frames_no_larger_than_they_show(browser, classify):
     150 CSS px, the tiles get frames of at most that step instead of the streams' 320x240; widened
     again, full-size frames again."""
     open_page(browser, classify)
-    wait_for(lambda: {"a", "b"} <= set(tiles(browser)) and all(t["frame"] for t in tiles(browser).values()),
-             "two tiles with frames")
+    assert wait_for(lambda: {"a", "b"} <= set(tiles(browser)) and all(t["frame"] for t in tiles(browser).values()),
+                    DEADLINE_S, 0.1), "timed out waiting for two tiles with frames"
 
     def shown():  # per tile: the longer side of the frame it drew last, and its shown size's step
         got = browser.execute_script(
@@ -333,31 +335,37 @@ def test_tiles_get_frames_no_larger_than_they_show(browser, classify):
             " [c.dataset.frameSize || '', Math.max(r.width, r.height) * devicePixelRatio]; } return out;")
         return {sid: (max(map(int, size.split("x"))) if size else 0, -(-px // 64) * 64)
                 for sid, (size, px) in got.items()}
-    wait_for(lambda: all(side == 320 for side, _ in shown().values()), "full-size frames in wide tiles")
+    assert wait_for(lambda: all(side == 320 for side, _ in shown().values()), DEADLINE_S, 0.1), \
+        "timed out waiting for full-size frames in wide tiles"
     browser.execute_script("document.getElementById('tiles').style.gridTemplateColumns = 'repeat(auto-fill, 150px)'")
     small = wait_for(lambda: (s := shown()) and all(0 < side <= step for side, step in s.values()) and s,
-                     "frames no larger than the narrowed tiles show")
+                     DEADLINE_S, 0.1)
+    assert small, "timed out waiting for frames no larger than the narrowed tiles show"
     assert all(step < 320 for _, step in small.values()), small  # the check above could not pass unchanged
     browser.execute_script("document.getElementById('tiles').style.gridTemplateColumns = ''")
-    wait_for(lambda: all(side == 320 for side, _ in shown().values()), "full-size frames once widened again")
+    assert wait_for(lambda: all(side == 320 for side, _ in shown().values()), DEADLINE_S, 0.1), \
+        "timed out waiting for full-size frames once widened again"
 
 
 def test_add_and_remove_a_stream_from_the_page(browser, classify):
     open_page(browser, classify)
-    wait_for(lambda: {"a", "b"} <= set(tiles(browser)), "the tiles")
+    assert wait_for(lambda: {"a", "b"} <= set(tiles(browser)), DEADLINE_S, 0.1), "timed out waiting for the tiles"
     form = browser.find_element(By.ID, "add-stream")
     form.find_element(By.NAME, "id").send_keys("added")
     form.find_element(By.NAME, "url").send_keys("synthetic://shapes?size=160x120&fps=10")
     form.find_element(By.CSS_SELECTOR, "button").click()
-    wait_for(lambda: tiles(browser).get("added", {}).get("frame"), "the added stream's tile with a frame")
+    assert wait_for(lambda: tiles(browser).get("added", {}).get("frame"), DEADLINE_S, 0.1), \
+        "timed out waiting for the added stream's tile with a frame"
     assert form.find_element(By.NAME, "id").get_attribute("value") == ""  # the form is cleared on success
     form.find_element(By.NAME, "id").send_keys("added")  # again: the API's error is shown
     form.find_element(By.NAME, "url").send_keys("synthetic://shapes?size=160x120&fps=10")
     form.find_element(By.CSS_SELECTOR, "button").click()
     error = browser.find_element(By.ID, "error")
-    wait_for(lambda: error.is_displayed() and "already running" in error.text, "the API's error on the page")
+    assert wait_for(lambda: error.is_displayed() and "already running" in error.text, DEADLINE_S, 0.1), \
+        "timed out waiting for the API's error on the page"
     browser.find_element(By.CSS_SELECTOR, "[data-stream='added'] .remove-stream").click()
-    wait_for(lambda: "added" not in tiles(browser), "the removed stream's tile gone")
+    assert wait_for(lambda: "added" not in tiles(browser), DEADLINE_S, 0.1), \
+        "timed out waiting for the removed stream's tile gone"
     assert "added" not in classify.api()["streams"] and {"a", "b"} <= set(tiles(browser))
 
 
@@ -371,4 +379,5 @@ def test_token_is_needed_and_the_login_url_works(browser, classify):
     assert classify.login and TOKEN in classify.login
     browser.get(classify.login)
     assert browser.current_url == classify.url  # redirected to the page
-    wait_for(lambda: {"a", "b"} <= set(tiles(browser)) and tiles(browser)["a"]["frame"], "the page working")
+    assert wait_for(lambda: {"a", "b"} <= set(tiles(browser)) and tiles(browser)["a"]["frame"], DEADLINE_S, 0.1), \
+        "timed out waiting for the page working"

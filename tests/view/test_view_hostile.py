@@ -25,7 +25,9 @@ from engine.control.control_socket import request
 from engine.core.engine import Engine
 from engine.view.server import REPORT_EVERY_S, ViewThread
 from engine.models.noop import NoopRunner
-from tests.conftest import engine_config, free_port, wait_for
+from engine.testing.wait import wait_for
+from tests.support.engines import engine_config
+from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -342,7 +344,7 @@ def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
 
     def low_fd_limit():  # in the child only: this process keeps its own limit. The hard limit too: `vidar run`
         resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))  # raises its soft limit to the hard one
-    proc = subprocess.Popen([sys.executable, "-m", "engine.control.cli", "run", str(path)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=low_fd_limit)
     slow, t_start = Slow(), time.monotonic()
     if not wait_for(lambda: _answers(ctl, 1.0), 60, step=0.2):
@@ -399,7 +401,7 @@ def test_a_slow_control_client_cannot_starve_another(endpoint):
     """ZeroMQ REP, served by `control.serve`: clients that send a request and never read the reply, one
     that queues 200 requests without reading, and TCP connections that never finish ZeroMQ's greeting;
     a well-behaved client is still answered within its measured time."""
-    from tests.control.test_control import ControlServer, with_control
+    from tests.support.control import ControlServer, with_control
     cfg, ctl = with_control(engine_config([{"id": "cam1", "url": "synthetic://shapes?size=96x64&fps=30"}], endpoint))
     eng = Engine(cfg, models={"classify": NoopRunner()})
     eng.start()

@@ -1,4 +1,5 @@
-"""Corrupt and re-muxed media for tests and the soak: real H.264 with damage a user's files have."""
+"""H.264 clips for tests and benchmarks: written from the synthetic pattern, decoded back to RGB frames,
+and damaged or re-muxed as a user's files are (corrupt_mdat, faststart; the soak uses them too)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,31 @@ from pathlib import Path
 
 import av
 import numpy as np
+
+from streams.synthetic import SyntheticSource
+
+
+def write_clip(path: Path, frames: int, size=(320, 240), fps: int = 30, *, seed: int = 0, gop: int = 15,
+               fmt: str | None = None) -> Path:
+    """An H.264 clip of the synthetic pattern, `frames` long (mp4; or fmt="h264": a raw Annex-B stream)."""
+    w, h = size
+    src = SyntheticSource("clip", f"synthetic://shapes?size={w}x{h}&fps={fps}&seed={seed}")
+    with av.open(str(path), "w", format=fmt) as out:
+        st = out.add_stream("libx264", rate=fps)
+        st.width, st.height, st.pix_fmt = w, h, "yuv420p"
+        st.options = {"g": str(gop), "bf": "0", "preset": "ultrafast"}
+        for n in range(frames):
+            for pkt in st.encode(av.VideoFrame.from_ndarray(src.render(n), format="rgb24")):
+                out.mux(pkt)
+        for pkt in st.encode():
+            out.mux(pkt)
+    return path
+
+
+def decode_all(path: Path) -> list[np.ndarray]:
+    """Every frame of the file's first video stream, as RGB arrays."""
+    with av.open(str(path)) as c:
+        return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
 
 
 def _mdat(data: bytes) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""Helpers for SAM 2 tests: a random checkpoint with non-empty masks, and Meta's predictor as reference."""
+"""The SAM 2 reference for tests and benchmarks: a random checkpoint with non-empty masks, and Meta's
+predictor (SAM2VideoPredictor) as the reference the engine's masks are compared with."""
 
 from __future__ import annotations
 

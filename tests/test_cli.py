@@ -7,9 +7,10 @@ import time
 
 import yaml
 
-from tests.conftest import free_port, write_clip
+from engine.testing.clips import write_clip
+from tests.support.net import free_port
 
-VIDAR = [sys.executable, "-m", "engine.control.cli"]
+VIDAR = [sys.executable, "-m", "engine.cli"]
 
 
 def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
@@ -142,7 +143,7 @@ def test_gpu_check_dry_run_passes_on_the_cpu():
     """What benchmarks/gpu_check.py can check without a GPU (its configs, imports, test files), so a device
     session does not spend its minutes on a script that fails before the first CUDA call."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"), "--dry-run"], cwd=root,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gpu_check --dry-run: configs, imports and test files ok" in r.stdout, r.stderr[-2000:]
