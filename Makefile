@@ -3,6 +3,7 @@
 #   make test   the whole test suite (installs the RTSP test server's and the browser tests' Debian
 #               packages if missing: GStreamer, chromium, chromium-driver)
 #   make bench  benchmarks (not part of make test); results in benchmarks/RESULTS.md
+#               (bench_host.py --profile needs py-spy: .venv/bin/pip install py-spy)
 #   make soak   SOAK_MINUTES (default 30) of 4 streams under faults; fails if RSS/fds/threads trend up
 
 PYTHON ?= python3
@@ -39,6 +40,7 @@ bench: $(VENV)/.test
 	bash scripts/install-browser-deps.sh
 	$(PY) benchmarks/bench_view.py
 	$(PY) benchmarks/bench_cluster.py
+	$(PY) benchmarks/bench_host.py
 
 soak: $(VENV)/.test
 	bash scripts/install-rtsp-deps.sh

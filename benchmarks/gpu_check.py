@@ -1,132 +1,298 @@
-"""The one script to run on a GPU machine: checks the CUDA paths, then times them.
+"""The one script a GPU session runs: the GPU tests, then the GPU data plane timed part by part.
 
-    python3 benchmarks/gpu_check.py            # writes $OUT/gpu_check.json (or benchmarks/results/)
-    python3 benchmarks/gpu_check.py --dry-run  # on the CPU: what can be checked without a GPU (below)
+    bash ../shared/gpu/device-prep.sh nvdec && python3 benchmarks/gpu_media.py   # on our machine, first
+    # then one device call, carrying [".whl", ".gpu"], whose command begins as ../shared/gpu/README.md says:
+    python3 benchmarks/gpu_check.py            # JSON lines to $OUT/gpu_check.jsonl (else benchmarks/results/)
+    python3 benchmarks/gpu_check.py --dry-run  # on the CPU (make test runs it): every part, CPU-sized
 
-1. the GPU tests (tests/models/test_gpu.py) with VIDAR_REQUIRE_GPU=1, so nothing passes by skipping;
-2. ViT-L/16 (random weights) bf16 on the GPU: model-only latency per batch size, and the
-   upload + preprocessing cost of 720p uint8 frames from pinned memory;
-3. vidar live on N synthetic 1280x720 60 fps streams at the 17 ms budget: goodput
-   (share of frames published within their deadline) and p50/p99 latency, per stream count.
-Not run yet on a GPU: vidar's development machines have none (see README).
+Each part runs in its own subprocess with a time box and appends JSON lines as it goes, so a hang or a
+crash loses only that part; the whole run stays under ~8 minutes. Parts:
+  tests       the `gpu`-marked tests with VIDAR_REQUIRE_GPU=1 (none may pass by skipping)
+  vit         ViT-L/16 bf16, batch 1/8/32/64: eager vs the CUDA-graph runner (GraphDispatcher)
+  nvdec       NVDEC frames/s into GPU memory for 1, 8 and 48 decoder threads (720p60 H.264)
+  preprocess  the batched NV12 -> model input op, a batch of 32 720p frames
+  live        the engine, N live 720p60 H.264 streams (looped), ViT-L at 17 ms: goodput, p50/p99, drops
+              by reason, for N = 1, 8, 16, 32, 48
+  offline     8 file streams offline through the engine against the bare graph model at batch 64
+The dry run exercises the same code on the CPU with a tiny model, a small clip and small counts: it
+proves the script runs, nothing about the GPU paths.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+DRY = "--dry-run" in sys.argv[1:]
+# the dry run writes beside the temp files, never into benchmarks/results (which holds device runs only)
+OUT = Path(os.environ.get("OUT") or (Path(tempfile.gettempdir()) if DRY else ROOT / "benchmarks" / "results"))
+LOG = OUT / ("gpu_check_dry.jsonl" if DRY else "gpu_check.jsonl")
+CLIP = ROOT / ".gpu" / "media" / "bbb720p60.mp4"  # benchmarks/gpu_media.py makes it
+GPU_TESTS = ["tests/models/test_gpu.py", "tests/models/test_graphs.py", "tests/models/test_batch_preprocess.py",
+             "tests/models/test_classify.py", "tests/frames/test_device_slots.py", "tests/streams/test_nvdec.py"]
+VIT = "test_vit" if DRY else "vit_large_patch16_224"
+DEVICE = "cpu" if DRY else "cuda"
 
 
-def timed(fn, reps=20):
+def emit(part: str, **data) -> None:
+    line = json.dumps({"part": part, "t": round(time.time(), 1), **data}, default=str)
+    with open(LOG, "a") as f:
+        f.write(line + "\n")
+    print(line, flush=True)
+
+
+def sync() -> None:
+    import torch
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def med_ms(fn, reps: int) -> dict:
+    """Median and worst of `reps` timed calls, after 3 untimed ones."""
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
+    sync()
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         ts.append(time.perf_counter() - t0)
     ts.sort()
-    return {"p50_ms": ts[len(ts) // 2] * 1e3, "p99_ms": ts[-1] * 1e3}
+    return {"med_ms": round(ts[len(ts) // 2] * 1e3, 3), "max_ms": round(ts[-1] * 1e3, 3)}
 
 
-def model_latency(results):
-    import timm
+def clip() -> Path:
+    """The 720p60 H.264 clip (real footage on the device; a small synthetic H.264 clip in the dry run)."""
+    if not DRY:
+        if not CLIP.is_file():
+            raise SystemExit(f"{CLIP} missing: run `python3 benchmarks/gpu_media.py` before the device call "
+                             "and carry .gpu")
+        return CLIP
+    from engine.testing.clips import write_clip
+    path = Path(tempfile.gettempdir()) / "vidar_gpu_check_dry.mp4"
+    if not path.is_file():
+        write_clip(path, 24)
+    return path
+
+
+# -- parts ------------------------------------------------------------------------------------------------
+
+def part_tests() -> None:
+    env = dict(os.environ, VIDAR_REQUIRE_GPU="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *GPU_TESTS]
+    if DRY:  # the files exist and the gpu-marked tests collect (they would fail here, by design)
+        cmd += ["-m", "gpu", "--collect-only"]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=PARTS["tests"][1] - 10)
+    tail = r.stdout.strip().splitlines()[-1:] or [r.stderr[-300:]]
+    emit("tests", rc=r.returncode, summary=tail[0], out=r.stdout[-3000:])
+    if r.returncode != 0:
+        raise SystemExit(f"gpu tests: rc {r.returncode}")
+
+
+def vit_runner(graphs: bool, sizes: list[int]):
     from engine.config import ClassifyConfig
     from engine.models.classify import ClassifierRunner
-    from engine.frames.ref import LooseFrames
-    w = ClassifierRunner(ClassifyConfig(name="vit_large_patch16_224", weights="random", device="cuda"))
-    for b in (1, 2, 4, 8):
-        x = torch.randn(b, 3, 224, 224, device="cuda", dtype=torch.bfloat16)
-        results[f"vitl_bf16_b{b}"] = timed(lambda: w.forward(x))
-    frames = [torch.randint(0, 255, (720, 1280, 3), dtype=torch.uint8).pin_memory() for _ in range(8)]
-    views = LooseFrames(frames).refs()
-    results["prepare_720p_b8"] = timed(lambda: w.prepare(views))
-    w.close()
+    cfg = ClassifyConfig(name=VIT, weights="random", device=DEVICE, max_batch=max(sizes), cuda_graphs=graphs,
+                         graph_batch_sizes=sizes)
+    w = ClassifierRunner(cfg)
+    w.capture_graphs()
+    return w
 
 
-def goodput_config(streams: int):
-    """The live run's config; building it needs no GPU (the CPU-side check of this script)."""
-    from engine.config import build_config
+def part_vit() -> None:
+    import torch
+    sizes = [1, 2] if DRY else [1, 8, 32, 64]
+    for graphs in (False, True):
+        w = vit_runner(graphs, sizes)
+        if graphs:
+            emit("vit", graphs_captured=getattr(w.graphs, "sizes", None), eager_reason=getattr(w.graphs, "eager_reason", None))
+        c, h, wd = w.pre.data_config["input_size"]
+        for b in sizes:
+            x = torch.randn(b, c, h, wd, device=DEVICE).to(w.dtype)
+            r = med_ms(lambda: w.forward(x), 5 if DRY else 20)
+            emit("vit", model=VIT, graphs=graphs, batch=b, **r, img_per_s=round(b / r["med_ms"] * 1e3, 1))
+        w.close()
+
+
+def part_nvdec() -> None:
+    """Decoder threads, each looping the clip through vidar's source (decode: cuda on the device)."""
+    import psutil
+    from streams import open_source
+    path, decode = clip(), ("auto" if DRY else "cuda")
+    for k in ((1, 2) if DRY else (1, 8, 48)):
+        stop, counts, errors = threading.Event(), [0] * k, []
+
+        def work(i):
+            try:
+                while not stop.is_set():
+                    src = open_source(f"d{i}", str(path), decode=decode)
+                    for _ in src.frames():
+                        counts[i] += 1
+                        if stop.is_set():
+                            break
+                    src.close()
+            except Exception as err:  # reported, not raised: the other threads' count still means something
+                errors.append(repr(err)[:300])
+        ts = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(k)]
+        for t in ts:
+            t.start()
+        time.sleep(0.5 if DRY else 1.5)
+        p = psutil.Process()
+        c0, n0, t0 = p.cpu_times(), sum(counts), time.perf_counter()
+        time.sleep(1.0 if DRY else 3.0)
+        c1, n1, t1 = p.cpu_times(), sum(counts), time.perf_counter()
+        stop.set()
+        for t in ts:
+            t.join(10)
+        probe = open_source("probe", str(path), decode=decode)
+        probe.open()
+        emit("nvdec", threads=k, fps=round((n1 - n0) / (t1 - t0), 1), decode_device=probe.decode_device,
+             decode_reason=probe.decode_reason, errors=errors[:3],
+             cpu_cores=round((c1.user + c1.system - c0.user - c0.system) / (t1 - t0), 2))
+        probe.close()
+
+
+def part_preprocess() -> None:
+    import av
+    import torch
+    from engine.models.batch_preprocess import BatchPreprocessor
+    from engine.models.classify import build_classifier, timm_contract
+    model, _ = build_classifier(VIT, "random")
+    pre = BatchPreprocessor(timm_contract(model), torch.device(DEVICE), torch.bfloat16)
+    with av.open(str(clip())) as c:
+        f = next(c.decode(video=0))
+    nv12 = torch.from_numpy(f.to_ndarray(format="nv12")).to(DEVICE)
+    n = 2 if DRY else 32
+    frames = [nv12.clone() for _ in range(n)]
+    r = med_ms(lambda: pre(frames, "nv12", [("bt601", "limited")] * n), 3 if DRY else 20)
+    emit("preprocess", batch=n, size=f"{f.width}x{f.height}", **r)
+
+
+def _endpoint() -> str:
+    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cfg, _ = build_config({
-        "streams": [{"id": f"s{i}", "url": "synthetic://shapes?size=1280x720&fps=60"} for i in range(streams)],
-        "models": {"classify": {"name": "vit_large_patch16_224", "weights": "random", "max_batch": 8}},
-        "budget": {"latency_ms": 17}, "publish": {"endpoint": f"tcp://127.0.0.1:{port}"},
-        # nothing is changed at run time: no control socket (Engine.start would bind port 5557)
-        "metrics": {"enabled": False}, "control": {"enabled": False}}, cuda_available=True)
-    return cfg
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-def engine_goodput(results, streams: int, seconds: float = 10.0):
+def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: int, budget_ms: float) -> dict:
+    """The engine on n streams of the clip (live: looped at its 60 fps; offline: once each), ViT-L
+    random, graphs on; counts over `seconds` after `warm_s` (live), or to the end (offline)."""
+    from engine.config import build_config
     from engine.core.engine import Engine
-    eng = Engine(goodput_config(streams))
+    path = clip()
+    streams = [{"id": f"s{i}", "url": str(path), "mode": mode, "loop": mode == "live"} for i in range(n)]
+    cfg, _ = build_config({
+        "streams": streams,
+        "models": {"classify": {"name": VIT, "weights": "random", "max_batch": max_batch, "device": DEVICE}},
+        "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": _endpoint()},
+        "ring": {"min_slots": 2, "max_slots": 8}, "metrics": {"enabled": False}, "control": {"enabled": False},
+        "view": {"enabled": False}}, cuda_available=True)
+    eng = Engine(cfg)
+    t_start = time.perf_counter()
     eng.start()
-    time.sleep(seconds)
-    snaps = [eng.pools["classify"].acct.snapshot(f"s{i}") for i in range(streams)]
-    eng.stop()
-    ing = sum(s.ingested for s in snaps)
-    pub = sum(s.published for s in snaps)
-    results[f"live_{streams}x720p60_17ms"] = {
-        "goodput": pub / max(ing, 1), "ingested": ing, "published": pub,
-        "dropped": {k: sum(s.dropped.get(k, 0) for s in snaps) for k in {k for s in snaps for k in s.dropped}},
-        "p50_ms": max(s.p50_ms for s in snaps), "p99_ms": max(s.p99_ms for s in snaps)}
+    started_s = time.perf_counter() - t_start
+    acct = eng.pools["classify"].acct
+    ids = [s["id"] for s in streams]
+    try:
+        if mode == "offline":
+            t0 = time.perf_counter()
+            deadline = t0 + seconds
+            while not eng.finished() and time.perf_counter() < deadline:
+                time.sleep(0.05)
+            elapsed = time.perf_counter() - t0
+            snaps = [acct.snapshot(i) for i in ids]
+            pub = sum(s.published for s in snaps)
+            return {"streams": n, "frames_per_s": round(pub / elapsed, 1), "published": pub,
+                    "finished": eng.finished(), "start_s": round(started_s, 1)}
+        time.sleep(warm_s)
+        before = {i: acct.snapshot(i) for i in ids}
+        time.sleep(seconds)
+        after = {i: acct.snapshot(i) for i in ids}
+        described = eng.describe()
+    finally:
+        eng.stop()
+    ing = sum(after[i].ingested - before[i].ingested for i in ids)
+    pub = sum(after[i].published - before[i].published for i in ids)
+    drops: dict = {}
+    for i in ids:
+        for k, v in after[i].dropped.items():
+            drops[k] = drops.get(k, 0) + v - before[i].dropped.get(k, 0)
+    return {"streams": n, "budget_ms": budget_ms, "goodput": round(pub / max(ing, 1), 4), "ingested": ing,
+            "published": pub, "in_per_s": round(ing / seconds, 1), "dropped": drops,
+            "p50_ms": max(after[i].p50_ms for i in ids), "p99_ms": max(after[i].p99_ms for i in ids),
+            "decode": described[ids[0]].get("decode"), "start_s": round(started_s, 1)}
 
 
-def dry_run() -> None:
-    """Before a device session: the parts of this script that need no GPU. The live runs' configs build
-    (and pass the engine's start-up checks: binds, frame memory for 8 streams of 720p), the modules
-    the GPU steps import load, and the GPU test files exist. It proves nothing about the GPU paths."""
-    from engine.security.binds import exposure_error
-    from engine.frames.budget import total_memory_bytes
-    from engine.frames.ref import LooseFrames  # noqa: F401  (model_latency's imports)
-    from engine.frames.ring import slots_for
-    from engine.models.classify import ClassifierRunner  # noqa: F401
-    for n in (1, 4, 8):
-        cfg = goodput_config(n)
-        assert exposure_error(cfg) is None, exposure_error(cfg)
-        r = cfg.ring
-        need = n * slots_for(1280 * 720 * 3, r.memory_mb * 2**20, r.min_slots, r.max_slots) * 1280 * 720 * 3
-        assert need <= total_memory_bytes(r.total_memory_mb), (n, need)
-    for test in ("tests/models/test_gpu.py", "tests/models/test_classify.py"):
-        assert (ROOT / test).is_file(), test
-    print("gpu_check --dry-run: configs, imports and test files ok (no GPU path has run)")
+def part_live() -> None:
+    for n in ((1,) if DRY else (1, 8, 16, 32, 48)):
+        emit("live", **run_engine(n, mode="live", seconds=1.5 if DRY else 5.0, warm_s=0.5 if DRY else 2.0,
+                                  max_batch=2 if DRY else 64, budget_ms=2000 if DRY else 17))
 
 
-def main():
-    if "--dry-run" in sys.argv[1:]:
-        return dry_run()
-    out = Path(os.environ.get("OUT", ROOT / "benchmarks" / "results"))
-    out.mkdir(parents=True, exist_ok=True)
-    results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-               "torch": torch.__version__}
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check: no CUDA device")
-    env = dict(os.environ, VIDAR_REQUIRE_GPU="1")
-    t = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/models/test_gpu.py", "tests/models/test_classify.py"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    results["gpu_tests"] = {"rc": t.returncode, "tail": t.stdout[-2000:]}
-    print(t.stdout[-1500:], flush=True)
-    model_latency(results)
-    for n in (1, 4, 8):
-        engine_goodput(results, n)
-    (out / "gpu_check.json").write_text(json.dumps(results, indent=2))
-    for k, v in results.items():
-        print(f"{k}: {v}")
+def part_offline() -> None:
+    import torch
+    r = run_engine(1 if DRY else 8, mode="offline", seconds=30 if DRY else 40, warm_s=0,
+                   max_batch=2 if DRY else 64, budget_ms=17)
+    b = 2 if DRY else 64
+    w = vit_runner(True, [b])
+    c, h, wd = w.pre.data_config["input_size"]
+    x = torch.randn(b, c, h, wd, device=DEVICE).to(w.dtype)
+    bare = b / med_ms(lambda: w.forward(x), 3 if DRY else 10)["med_ms"] * 1e3
+    emit("offline", **r, bare_graph_img_per_s=round(bare, 1), ratio=round(r["frames_per_s"] / bare, 3))
+
+
+# seconds per part: 470 in all, under the 8 minutes a device call may take after the wheels install
+PARTS = {"tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
+         "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60)}
+
+
+def main() -> int:
+    args = [a for a in sys.argv[1:] if a != "--dry-run"]
+    if args[:1] == ["--part"]:
+        PARTS[args[1]][0]()
+        return 0
+    OUT.mkdir(parents=True, exist_ok=True)
+    LOG.unlink(missing_ok=True)
+    import torch
+    if not DRY and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device (use --dry-run on the CPU)")
+    emit("start", dry_run=DRY, torch=torch.__version__,
+         device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+    failed = []
+    for name, (_, box) in PARTS.items():
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name] + (["--dry-run"] if DRY else [])
+        # its own process group: a part that outruns its box is killed with everything it started (pytest,
+        # an engine's threads), so nothing of it keeps the GPU busy during the next part
+        p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+        try:
+            rc = p.wait(timeout=box * (2 if DRY else 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            rc = "timeout"
+        emit("part_done", name=name, rc=rc, s=round(time.perf_counter() - t0, 1))
+        if rc != 0:
+            failed.append(name)
+    if DRY:
+        if failed:
+            print(f"gpu_check --dry-run: FAILED parts {failed}", flush=True)
+            return 1
+        print("gpu_check --dry-run: every part ran on the CPU (tiny model, small clip); no GPU path has run",
+              flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

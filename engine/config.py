@@ -42,6 +42,11 @@ class StreamConfig(_Strict):
     """Files only: start again at the end instead of ending the stream (demo footage)."""
     pools: Optional[list[str]] = Field(None, min_length=1)
     """Model pools this stream feeds, e.g. [classify] or [sam2]; default: every configured pool."""
+    decode: Optional[Literal["auto", "cpu", "cuda"]] = None
+    """Where this stream's video is decoded: cpu (PyAV/FFmpeg), cuda (NVDEC through PyNvVideoCodec, the
+    frames stay in GPU memory; fails the stream with the reason when it cannot), auto (NVDEC when there is a
+    GPU, the package and a codec it supports, else the CPU with the reason logged once and shown in the
+    stream's state). Unset: `source.decode`. Synthetic streams are generated on the CPU."""
     max_interval: int = Field(4, ge=1, le=100)
     """Live streams: under sustained overload the degradation ladder (`qos`) may process only every
     k-th frame of this stream, k <= max_interval. 1: never sample this stream (it still drops frames
@@ -118,6 +123,27 @@ class ClassifyConfig(_Strict):
     one-thread instances (throughput), live ones one instance with the pool's cores (latency); on a GPU 1."""
     threads: Optional[int] = Field(None, ge=1)
     """Intra-op threads per worker instance on the CPU. Default: chosen with `workers` (see there)."""
+    cuda_graphs: bool = True
+    """On a GPU: capture the model's forward as CUDA graphs at warm-up, one per batch size in
+    `graph_batch_sizes` (a batch runs in the next captured size up, padded), eager when capture fails
+    (the reason logged). Measured on an H200, ViT-L/16 bf16 batch 1: 1.39 ms replayed vs 6-10 ms eager
+    (launch-bound). Ignored on the CPU."""
+    graph_batch_sizes: Optional[list[int]] = None
+    """Batch sizes to capture, each in [1, max_batch]. Unset: 1, 2, 4, 8, ... up to max_batch, and max_batch."""
+
+    @field_validator("graph_batch_sizes")
+    @classmethod
+    def _sizes_ok(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and (not v or any(b < 1 for b in v)):
+            raise ValueError(f"must be a non-empty list of batch sizes >= 1, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes_within_batch(self) -> "ClassifyConfig":
+        if self.graph_batch_sizes and max(self.graph_batch_sizes) > self.max_batch:
+            raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has a size over max_batch "
+                             f"({self.max_batch}): drop it or raise max_batch")
+        return self
 
 
 class Sam2Config(_Strict):
@@ -282,6 +308,8 @@ class SourceConfig(_Strict):
     backoff_reset_after_s: float = Field(10.0, gt=0)
     """The backoff starts again from reconnect_initial_s only after a session delivered frames for this
     long; a server that accepts and closes at once backs off like one that refuses."""
+    decode: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where video is decoded, for streams that do not say (`streams[].decode`): auto | cpu | cuda."""
 
 
 class FaultsConfig(_Strict):
@@ -536,12 +564,26 @@ class EngineConfig(_Strict):
         if self.ring.min_slots > self.ring.max_slots:
             raise ValueError(
                 f"ring.min_slots ({self.ring.min_slots}) > ring.max_slots ({self.ring.max_slots}): raise max_slots")
-        for name, pool in pools.items():
-            if self.ring.max_slots < pool.max_batch + 1:
-                raise ValueError(
-                    f"ring.max_slots ({self.ring.max_slots}) must exceed models.{name}.max_batch "
-                    f"({pool.max_batch}) so decoding can continue while a batch runs")
         return self
+
+
+def ring_shortfalls(cfg: "EngineConfig") -> list[str]:
+    """Pools whose configured streams cannot offer a full batch at once, as warnings for the start log.
+
+    A batch is formed across streams, and a stream offers at most `ring.max_slots - 1` frames at once
+    (one slot stays free for its decoder): 48 streams feed a batch of 64 with 2 slots each. The old rule,
+    max_slots > max_batch in EVERY ring, made a cross-stream batch of 64 cost 65 slots per stream. Too
+    few slots is not an error: batches are then smaller (the scheduler dispatches what is ready after
+    budget.max_batch_wait_ms), so this is said, not refused. Streams added at run time are not counted."""
+    out = []
+    for name, pool in cfg.models.configured().items():
+        streams = [s for s in cfg.streams if s.pools is None or name in s.pools]
+        offer = len(streams) * (cfg.ring.max_slots - 1)
+        if streams and offer < pool.max_batch:
+            out.append(f"pool {name}: its {len(streams)} stream(s) offer at most {offer} frames at once "
+                       f"(ring.max_slots - 1 = {cfg.ring.max_slots - 1} each), under models.{name}.max_batch "
+                       f"({pool.max_batch}): its batches will be smaller; raise ring.max_slots for full batches")
+    return out
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:

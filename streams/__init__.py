@@ -4,6 +4,7 @@
   base.py       the Source interface and the decoded-frame record
   synthetic.py  synthetic://shapes, a deterministic moving test pattern (no camera needed)
   pyav.py       files and network streams (rtsp, http, rtmp, udp, srt, ...) through PyAV, timeouts always set
+  nvdec.py      the same demuxing, decoded by NVDEC (PyNvVideoCodec) into GPU memory; `decode: auto|cpu|cuda`
   sources.py    open_source: the table from a URL's scheme to its Source
   backoff.py    the reconnect policy: capped exponential backoff with jitter, pure
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -16,7 +16,7 @@ from streams.urls import redact_url
 class DecodedFrame:
     """One decoded frame and when its data arrived. `repr` shows times, never pixels."""
 
-    rgb: np.ndarray = field(repr=False)  # (H, W, 3) uint8
+    rgb: Optional[np.ndarray] = field(repr=False)  # (H, W, 3) uint8; None for NVDEC frames (see nv12)
     pts: float                           # seconds
     #: packet -> rgb only: the decode call that produced the frame plus its conversion, never the
     #: wait for packets (a live source spends most of its time waiting)
@@ -25,6 +25,16 @@ class DecodedFrame:
     #: moment on the wall clock): a network frame's capture time
     t_arrival: float = field(default_factory=time.monotonic)
     t_arrival_wall: float = field(default_factory=time.time)
+    #: NVDEC frames (streams/nvdec.py): the (H * 3 // 2, W) uint8 NV12 frame in GPU memory (the Y plane,
+    #: then the interleaved UV plane), owned by this frame (copied out of the decoder's surface), with `rgb`
+    #: None. None for CPU-decoded frames.
+    nv12: Optional[Any] = field(default=None, repr=False)
+    #: a CUDA event recorded on the decoder's stream after `nv12` was written: a reader on another
+    #: stream waits on it (stream.wait_event), never with a host sync. None on the CPU.
+    ready: Optional[Any] = field(default=None, repr=False)
+    #: the colour matrix and range the pixels were coded with (from the bitstream's metadata), which
+    #: an NV12 -> RGB conversion needs: ("bt601" | "bt709", "limited" | "full")
+    colour: tuple[str, str] = ("bt601", "limited")
 
 
 class Source(ABC):
@@ -39,6 +49,11 @@ class Source(ABC):
     live: bool = False
     #: nominal frame rate, used to pace files in live mode (None: use pts only)
     fps: Optional[float] = None
+    #: where its video is decoded: "cpu" (PyAV) or "cuda" (NVDEC); None until an NVDEC-capable source
+    #: has opened and seen its codec (streams/nvdec.py)
+    decode_device: Optional[str] = "cpu"
+    #: why that was chosen ("decode: cpu", "synthetic", or the reason auto fell back to the CPU)
+    decode_reason: str = ""
 
     def __init__(self, stream_id: str, url: str):
         self.stream_id, self.url = stream_id, url

@@ -56,7 +56,20 @@ def _now() -> tuple[float, float]:
     return time.monotonic(), time.time()
 
 
+def frame_pts(pts: Optional[int], time_base: float, index: int, fps: Optional[float]) -> float:
+    """A frame's pts in seconds. The first RTSP frame (and every frame of a raw .h264 stream) can lack a
+    pts: the frame's index over the rate stands in."""
+    if pts is not None and time_base:
+        return pts * time_base
+    return index / fps if fps else 0.0
+
+
 class _PyAVSource(Source):
+    #: where this source's video is decoded ("cpu": PyAV here; "cuda": NVDEC, streams/nvdec.py), and why;
+    #: None while a choice waits for the stream's codec (decode: auto or cuda, before the first open)
+    decode_device: Optional[str] = "cpu"
+    decode_reason: str = "decode: cpu"
+
     def __init__(self, stream_id: str, url: str, *, max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url)
         self._container = None
@@ -126,23 +139,35 @@ class _PyAVSource(Source):
     def frames(self) -> Iterator[DecodedFrame]:
         if self._container is None:
             self.open()
-        tb = float(self._stream.time_base) if self._stream.time_base else 0.0
-        n = 0
         self.session_error = ""
-        arrivals = _Arrivals()
-        last = _now()  # arrival of the last packet with data: what frames flushed at the end get
+        yield from self._decode(self._packets())
+
+    def _packets(self) -> Iterator[tuple[av.Packet, tuple[float, float]]]:
+        """The session's demuxed packets, each with the moment it came out of the demuxer (its arrival).
+
+        Split from the decoding so another decoder (streams/nvdec.py) takes the same packets, timeouts
+        and arrival times: only what happens to a packet after it arrived differs.
+        """
         packets = self._container.demux(self._stream)
         while True:
             try:
                 packet = next(packets)
             except StopIteration:
-                break
+                return
             except (av.error.FFmpegError, OSError) as err:
                 # A demuxer that raised is finished (a read timeout, a reset connection, a truncated
                 # file): the session ends here, with its reason; the ingest thread decides what follows.
                 self.session_error = redact_url(str(err))
-                break
-            got = _now()
+                return
+            yield packet, _now()
+
+    def _decode(self, packets: Iterator[tuple[av.Packet, tuple[float, float]]]) -> Iterator[DecodedFrame]:
+        """PyAV (FFmpeg) on the CPU: each packet decoded, each frame converted to RGB."""
+        tb = float(self._stream.time_base) if self._stream.time_base else 0.0
+        n = 0
+        arrivals = _Arrivals()
+        last = _now()  # arrival of the last packet with data: what frames flushed at the end get
+        for packet, got in packets:
             if packet.size:  # the empty packet at the end only flushes the decoder
                 last = got
                 arrivals.add(packet.pts, got)
@@ -156,8 +181,7 @@ class _PyAVSource(Source):
                 c0 = time.monotonic()
                 rgb = frame.to_ndarray(format="rgb24")
                 convert_s = time.monotonic() - c0
-                # The first RTSP frame can lack a pts: fall back to the frame index.
-                pts = frame.pts * tb if frame.pts is not None and tb else (n / self.fps if self.fps else 0.0)
+                pts = frame_pts(frame.pts, tb, n, self.fps)
                 t_mono, t_wall = arrivals.pop(frame.pts, last)
                 yield DecodedFrame(rgb, float(pts), decode_s + convert_s, t_mono, t_wall)
                 n += 1

@@ -19,7 +19,7 @@ def tree(**patch):
 
 
 @pytest.mark.parametrize("patch, message", [
-    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: id, loop, max_interval, mode, pools, url"),
+    ({"streams__0__urll": "x"}, r"streams\.0\.urll: unknown key; allowed here: decode, id, loop, max_interval, mode, pools, url"),
     ({"models__classify__nam": "x"}, r"models\.classify\.nam: unknown key; allowed here: .*max_batch.*name"),
     ({"budgett": {}}, r"budgett: unknown key"),
     ({"streams__0__mode": "realtime"}, r"streams\.0\.mode: Input should be 'live' or 'offline'"),
@@ -38,7 +38,6 @@ def tree(**patch):
     ({"streams__0__pools": []}, r"streams\.0\.pools: List should have at least 1 item"),
     ({"max_streams": 0}, r"max_streams: Input should be greater than or equal to 1"),
     ({"source__backoff_reset_after_s": 0}, r"source\.backoff_reset_after_s: Input should be greater than 0"),
-    ({"ring__max_slots": 4}, r"ring\.max_slots \(4\) must exceed models\.classify\.max_batch \(8\)"),
     ({"security": {"curve": True, "server_key": "k", "authorized_clients": "d"}},
      r"security\.curve is on but the live view has no token"),
     ({"security": {"curve": True, "server_key": "k", "authorized_clients": "d"}, "view": {"enabled": False},
@@ -149,3 +148,25 @@ def test_missing_and_broken_files(tmp_path):
     bad.write_text("streams: [\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("streams, max_slots, warned", [
+    (1, 9, False),   # 8 frames of one stream fill a batch of 8
+    (1, 4, True),    # 3 at once: batches of at most 3
+    (8, 2, False),   # the cross-stream case the old rule refused: 8 streams x 1 frame fill a batch of 8
+    (7, 2, True),
+])
+def test_a_ring_too_small_for_a_full_batch_is_said_at_start_not_refused(streams, max_slots, warned):
+    """A batch is formed across streams: max_slots > max_batch in every ring (the old rule) made a batch of 64
+    cost 65 slots per stream. Now too few slots for a full batch is a start-up warning (batches are smaller)."""
+    from engine.config import ring_shortfalls
+    cfg, _ = build_config({"streams": [{"id": f"s{i}", "url": "synthetic://shapes"} for i in range(streams)],
+                           "models": {"classify": {"max_batch": 8}},
+                           "ring": {"min_slots": 2, "max_slots": max_slots}})
+    said = ring_shortfalls(cfg)
+    assert bool(said) == warned
+    if warned:
+        assert said == [f"pool classify: its {streams} stream(s) offer at most {streams * (max_slots - 1)} frames at "
+                        f"once (ring.max_slots - 1 = {max_slots - 1} each), under models.classify.max_batch (8): its "
+                        "batches will be smaller; raise ring.max_slots for full batches"]

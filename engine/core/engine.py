@@ -17,7 +17,7 @@ from typing import Optional
 import zmq
 
 from engine.security.binds import exposure_error, exposure_warning
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ring_shortfalls
 from engine.core.loop import EngineCore
 from engine.core.requests import AddStream, Stop
 from engine.errors import ConfigError, ControlError, EngineDeadError
@@ -70,6 +70,8 @@ class Engine:
         if exposed:
             raise ConfigError(exposed)
         if cfg.security.allow_insecure_bind and (warning := exposure_warning(cfg)):
+            log.warning("%s", warning)
+        for warning in ring_shortfalls(cfg):
             log.warning("%s", warning)
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,

@@ -56,7 +56,12 @@ class EngineCore(OwnThread):
         self._thread.start()
 
     def wake(self) -> None:
-        self._wake.set()
+        # Every ingest thread calls this for every frame. Event.set() takes the event's lock and notifies
+        # even when the flag is already up; checking first (no lock) skips that while a step is due anyway.
+        # Safe: the frame is READY before its writer calls wake, and the core clears the flag before it
+        # pulls, so a wake skipped because the flag was still up is followed by a pull that sees the frame.
+        if not self._wake.is_set():
+            self._wake.set()
 
     def submit(self, request: CoreRequest) -> Future:
         """Apply `request` on the core thread between steps; its result (or ControlError) lands in the

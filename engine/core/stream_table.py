@@ -119,9 +119,18 @@ class StreamTable:
             settle(fut, exc=ControlError(f"add_stream: stream.url: {listening}"))
             return fut
         src = self.cfg.source
+        decode, rgb_only = scfg.decode or src.decode, self._rgb_only_pools(pools)
+        if rgb_only and decode == "cuda":
+            settle(fut, exc=ControlError(f"add_stream: stream.decode: cuda, but pool(s) {rgb_only} read RGB frames "
+                                         "only (NVDEC frames are NV12 in GPU memory): set decode: cpu or auto, "
+                                         "or feed this stream to NV12-capable pools only (stream.pools)"))
+            return fut
         try:
             source = open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
-                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=self.cfg.ring.max_frame_pixels)
+                                 read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=self.cfg.ring.max_frame_pixels,
+                                 decode="cpu" if rgb_only else decode)
+            if rgb_only and decode == "auto" and source.decode_reason == "decode: cpu":  # not "synthetic"
+                source.decode_reason = f"auto: pool(s) {rgb_only} read RGB frames only"
         except SourceError as err:
             settle(fut, exc=ControlError(f"add_stream: stream.url: {err.reason}"))
             return fut
@@ -301,6 +310,15 @@ class StreamTable:
     def all_done(self) -> bool:
         return all(e.eos_queued for e in self._entries.values())
 
+    def _rgb_only_pools(self, pools: list[str]) -> list[str]:
+        """The pools among `pools` whose runners cannot read NV12 GPU slots (SAM 2, any pool on the CPU): a
+        stream feeding one is decoded on the CPU, since its frames go into every pool's ring alike."""
+        return [p for p in pools if not all(getattr(m, "accepts_nv12", False) for m in self._pools[p].spec.models)]
+
     def describe(self, stream: str) -> dict:
         e = self._entries[stream]
-        return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools)}
+        source = e.ingest.source if e.ingest is not None else None
+        return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools),
+                # where its video is decoded and why (auto falls back to the CPU with a reason)
+                "decode": {"device": getattr(source, "decode_device", None),
+                           "reason": getattr(source, "decode_reason", "")}}

@@ -127,6 +127,15 @@ class WorkerThread:
         except Exception:  # keep the old instance: a pool with no worker would stall every stream
             log.exception("worker %d: rebuilding the worker failed; keeping the old instance", self.index)
 
+    def _release_event(self):
+        """The model's release event (ModelRunner.release_event); a failure there fails no frame: the
+        slots are then released at once, as on the CPU."""
+        try:
+            return self.model.release_event()
+        except Exception:
+            log.exception("worker %d: release_event failed; releasing the slots without it", self.index)
+            return None
+
     def _execute(self, batch: Batch) -> BatchResult:
         res = BatchResult(batch)
         t0 = self._clock()
@@ -141,8 +150,11 @@ class WorkerThread:
             res.fail_reason, res.error = FailReason.PREPROCESS_ERROR, err
             return res
         finally:
+            after = self._release_event()
             for ref in batch.frames:
-                ref.release(seen=seen)  # the input batch is built (or failed): decoding may reuse the slots now
+                # the input batch is built (or failed): decoding may reuse the slots now (on a GPU, once the
+                # kernels prepare queued have read them: `after`)
+                ref.release(seen=seen, after=after)
         try:
             outputs = self.model.infer(inputs)
             if len(outputs) != len(batch.frames):

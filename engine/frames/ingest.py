@@ -195,8 +195,11 @@ class IngestThread(OwnThread):
                     break
             t_mono, t_wall = self._capture_time(frame, due)
             meta = FrameMeta(self.stream, self.seq, frame.pts, t_wall, decode_s=frame.decode_s,
-                             deadline=t_mono + self.budget_s if self.live else math.inf, t_capture_mono=t_mono)
-            if not self.ring.write(meta, frame.rgb, self._stop):
+                             deadline=t_mono + self.budget_s if self.live else math.inf, t_capture_mono=t_mono,
+                             colour=frame.colour)
+            # NVDEC frames are NV12 in GPU memory (rgb None), valid once `ready` fires on the GPU
+            pixels = frame.rgb if frame.nv12 is None else frame.nv12
+            if not self.ring.write(meta, pixels, self._stop, frame.ready):
                 break
             self.seq += 1
             self._session_frames += 1

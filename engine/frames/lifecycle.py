@@ -52,6 +52,12 @@ class FrameMeta:
     # on it: the wall clock of these VMs was seen to step by tens of ms (and once, in a test, seconds),
     # which made results that passed the deadline check carry latency_ms past the budget.
     t_capture_mono: float = math.nan
+    # How the pixels are laid out in the ring's slot: "rgb24" (host, (H, W, 3)) or "nv12" (GPU,
+    # (H * 3 // 2, W)); set by the ring. The model runner converts accordingly.
+    pixel_format: str = "rgb24"
+    # The colour matrix and range the frame was coded with (an NV12 -> RGB conversion needs them):
+    # ("bt601" | "bt709", "limited" | "full"); set by the ingest thread from the decoder.
+    colour: tuple[str, str] = ("bt601", "limited")
 
     @property
     def live(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -25,9 +25,12 @@ class FrameStore(Protocol):
         """The slot's pixels (a view, not a copy). Raises FrameReleasedError if the slot no longer
         holds frame `seq` (it was released, and maybe reused)."""
 
-    def release(self, slot: int, seen: bool) -> None:
+    def release(self, slot: int, seen: bool, after: Any = None) -> None:
         """Free the slot. seen: a worker built its input from it (the live view may copy it first);
-        False for a frame dropped unseen."""
+        False for a frame dropped unseen. after: a CUDA event after which nothing reads the slot."""
+
+    def ready_event(self, slot: int) -> Any:
+        """What a reader waits on before reading the slot (a CUDA event), or None: readable now."""
 
 
 class FrameReleasedError(RuntimeError):
@@ -50,18 +53,27 @@ class FrameRef:
     released: bool = False  # set once; release() is idempotent (a watchdog may release a hung batch's frames)
 
     def pixels(self) -> torch.Tensor:
-        """The (H, W, 3) uint8 RGB pixels: a view of the slot, not a copy. Valid until release."""
+        """The pixels, a view of the slot, not a copy, valid until release: (H, W, 3) uint8 RGB in host
+        memory, or (H * 3 // 2, W) uint8 NV12 in GPU memory (meta.pixel_format says which). On a GPU, a
+        reader's stream waits on `ready_event()` before its kernels read them."""
         if self.released:
             raise FrameReleasedError(f"{self!r}: pixels read after release")
         return self._store.pixels(self.slot, self.seq)
 
-    def release(self, seen: bool = False) -> None:
+    def ready_event(self) -> Any:
+        """The CUDA event a reader's stream waits on before reading pixels(), or None (host slots)."""
+        if self.released:
+            raise FrameReleasedError(f"{self!r}: ready_event read after release")
+        return self._store.ready_event(self.slot)
+
+    def release(self, seen: bool = False, after: Any = None) -> None:
         """Give the slot back. seen=True once the model input is built from it (offered to the live
-        view first); the default is a drop. Idempotent: a watchdog may release the slots of a hung
-        batch that later releases them too."""
+        view first); the default is a drop. after: the CUDA event recorded after the reader's kernels
+        that read the slot (the slot is rewritten only after it: no host sync); None when nothing is
+        pending. Idempotent: a watchdog may release the slots of a hung batch that later releases them too."""
         if not self.released:
             self.released = True
-            self._store.release(self.slot, seen)
+            self._store.release(self.slot, seen, after)
 
     def __repr__(self) -> str:  # numbers, never pixels (and no shape: that would read the slot)
         return f"FrameRef({self.stream}#{self.seq}, slot={self.slot}{', released' if self.released else ''})"
@@ -80,10 +92,18 @@ class LooseFrames:
             raise FrameReleasedError(f"loose frame {slot}: pixels read after release")
         return self._tensors[slot]
 
-    def release(self, slot: int, seen: bool) -> None:
+    def release(self, slot: int, seen: bool, after: Any = None) -> None:
         self._released[slot] = True
 
-    def refs(self, stream: str = "loose") -> list[FrameRef]:
-        """One FrameRef per tensor (seq = its index), with metadata of its size."""
-        return [FrameRef(stream, i, i, FrameMeta(stream, i, 0.0, 0.0, height=int(t.shape[0]), width=int(t.shape[1])),
-                         self) for i, t in enumerate(self._tensors)]
+    def ready_event(self, slot: int) -> Any:
+        return None
+
+    def refs(self, stream: str = "loose", pixel_format: str = "rgb24",
+             colour: tuple[str, str] = ("bt601", "limited")) -> list[FrameRef]:
+        """One FrameRef per tensor (seq = its index), with metadata of its size: (H, W, 3) RGB tensors, or
+        (H * 3 // 2, W) NV12 ones with pixel_format="nv12" and their colour."""
+        def meta(i: int, t: torch.Tensor) -> FrameMeta:
+            h = int(t.shape[0]) * 2 // 3 if pixel_format == "nv12" else int(t.shape[0])
+            return FrameMeta(stream, i, 0.0, 0.0, height=h, width=int(t.shape[1]), pixel_format=pixel_format,
+                             colour=colour)
+        return [FrameRef(stream, i, i, meta(i, t), self) for i, t in enumerate(self._tensors)]

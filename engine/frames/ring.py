@@ -2,10 +2,11 @@
 
 All slots are allocated when the first frame's size is known. The decoder thread copies each
 decoded frame into a free slot (PyAV allocates its own output array and has no `out=`, so this
-is the one copy a frame gets); the worker reads the slot in place (`FrameRef.pixels()`) and
-releases it once its input batch is built. The slots' memory is the ring's `SlotStorage`
-(storage.py: pinned host tensors today); the ring keeps the slots' states, the budget and the
-accounting.
+is the one copy a frame gets; an NVDEC frame is copied device to device); the worker reads the
+slot in place (`FrameRef.pixels()`) and releases it once its input batch is built (on the GPU:
+once the kernels it queued have read it, by event). The slots' memory is the ring's `SlotStorage`
+(storage.py): pinned host RGB for CPU-decoded frames, NV12 in GPU memory for NVDEC frames, chosen
+by the first frame; the ring keeps the slots' states, the budget and the accounting.
 
 The live view's `tap` is offered each frame a worker has seen, when it releases it: before the
 slot is freed (the tap copies the pixels) and outside the ledger lock (a copy must never hold up
@@ -27,9 +28,8 @@ import logging
 import threading
 import time
 from enum import Enum
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 
 from engine.frames.accounting import Accounting
@@ -37,7 +37,7 @@ from engine.errors import SourceError
 from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.frames.budget import FrameMemoryBudget
 from engine.frames.ref import FrameRef, FrameReleasedError
-from engine.frames.storage import HostSlots, SlotStorage
+from engine.frames.storage import DeviceSlots, HostSlots, SlotStorage
 
 log = logging.getLogger("vidar.ring")
 
@@ -75,6 +75,8 @@ class FrameRing:
         self._max_pixels = max_frame_pixels
         self._notify = notify
         self._storage = storage if storage is not None else HostSlots(pin)  # the slots' memory
+        # No storage given: the first frame decides (an NVDEC frame, a torch tensor: DeviceSlots on its device).
+        self._storage_chosen = storage is not None
         self._cond = threading.Condition(accounting.lock)
         self._state: list[SlotState] = []
         self._meta: list[Optional[FrameMeta]] = []
@@ -93,13 +95,14 @@ class FrameRing:
         """Reserve the slots for frames of h x w in the engine's frame budget now (a source that knows its
         size before opening: the add is refused rather than the stream failed later). Raises SourceError."""
         with self._cond:
-            self._reserve_bytes(h, w, slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+            n = slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots, self._max_slots)
+            self._reserve_bytes(h, w, n)
 
     def _reserve_bytes(self, h: int, w: int, n: int, held_old: int = 0) -> None:
         """Reserve n slots of h x w, plus `held_old` bytes of slots still holding frames of an older size."""
         if self._budget is not None:
             what = f"{n} ring slots of {w}x{h} frames" + (" (and the older frames still held)" if held_old else "")
-            self._budget.reserve(self, self.stream, n * h * w * 3 + held_old, what)
+            self._budget.reserve(self, self.stream, n * self._storage.frame_bytes(h, w) + held_old, what)
 
     def _held_old_bytes(self) -> int:
         """Lock held: bytes of slots that hold arrays of another size than the stream's current one."""
@@ -113,7 +116,7 @@ class FrameRing:
             self._budget.release(self)
 
     def _allocate(self, h: int, w: int) -> None:
-        n = slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots)
+        n = slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots, self._max_slots)
         self._reserve_bytes(h, w, n)  # before anything is allocated: a refusal leaves the ring as it was
         self._storage.resize(n)
         self._state = [SlotState.FREE] * n
@@ -126,7 +129,8 @@ class FrameRing:
         """The stream's frame size changed: slots follow it one by one as they are reused, and the
         number of usable slots is recomputed from the budget, so memory stays within it. Slots past
         the new limit are freed as soon as they are released."""
-        limit = min(len(self._state), slots_for(h * w * 3, self._memory_bytes, self._min_slots, self._max_slots))
+        limit = min(len(self._state), slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots,
+                                                self._max_slots))
         # Free slots are let go now (re-allocated at the new size when reused); slots holding a frame keep
         # their old arrays until released, so the reservation covers those too until then. (Counting only
         # the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
@@ -149,13 +153,17 @@ class FrameRing:
                 return i
         return None
 
-    def write(self, meta: FrameMeta, rgb: np.ndarray, stop: Optional[threading.Event] = None) -> bool:
-        """Copy one (H, W, 3) uint8 frame into a slot. Returns False if the ring was closed (the frame
-        was then never ingested). Counts the frame as ingested. Live: never blocks. Offline: waits
-        for a free slot."""
-        h, w = int(rgb.shape[0]), int(rgb.shape[1])
-        if rgb.ndim != 3 or rgb.shape[2] != 3 or rgb.dtype != np.uint8:
-            raise SourceError(self.stream, f"decoder produced {rgb.dtype} {tuple(rgb.shape)}, expected HxWx3 uint8")
+    def write(self, meta: FrameMeta, frame: Any, stop: Optional[threading.Event] = None, ready: Any = None) -> bool:
+        """Copy one frame into a slot: an (H, W, 3) uint8 RGB numpy array (CPU decode), or an (H * 3 // 2, W)
+        uint8 NV12 tensor on a GPU (NVDEC) with `ready`, the CUDA event after which it is valid. Returns
+        False if the ring was closed (the frame was then never ingested). Counts the frame as ingested.
+        Live: never blocks. Offline: waits for a free slot."""
+        with self._cond:
+            self._choose_storage(frame)
+        try:
+            h, w = self._storage.frame_size(frame)
+        except ValueError as err:
+            raise SourceError(self.stream, f"{err} (this ring holds {self._storage.pixel_format})") from None
         if h * w > self._max_pixels:
             raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
                                            "raise it if this stream is really that large")
@@ -166,8 +174,7 @@ class FrameRing:
             if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
                 return True
             self._storage.allocate(i, h, w)
-            arr = self._storage.writable(i)
-        np.copyto(arr, rgb)  # outside the lock: the slot is WRITING, nobody else reads it
+        self._storage.write(i, frame, ready)  # outside the lock: the slot is WRITING, nobody else reads it
         with self._cond:
             if self._closed:  # closed while copying: the frame never entered the pipeline
                 self._state[i] = SlotState.FREE
@@ -177,12 +184,23 @@ class FrameRing:
                 return False
             self._acct.ingest(self.stream)
             meta.height, meta.width = h, w
+            meta.pixel_format = self._storage.pixel_format
             meta.t_decoded = time.monotonic()
             self._meta[i] = meta
             self._state[i] = SlotState.READY
             self._ready_order.append(i)
         self._notify()
         return True
+
+    def _choose_storage(self, frame: Any) -> None:
+        """Lock held. Before the first allocation, a ring given no storage takes the one its first frame
+        needs: a torch tensor (NVDEC's NV12, on a GPU) -> DeviceSlots; a numpy array -> HostSlots (kept).
+        Frames of the other kind later fail in frame_size (a stream does not change decoders mid-run)."""
+        if self._storage_chosen:
+            return
+        self._storage_chosen = True
+        if isinstance(frame, torch.Tensor):
+            self._storage = DeviceSlots(frame.device)
 
     def _reserve(self, h: int, w: int, stop: Optional[threading.Event]) -> Optional[int]:
         """A slot marked WRITING for the next frame (lock held). None: closed or stopped. _DROPPED: live
@@ -256,11 +274,19 @@ class FrameRing:
                                      "(its pixels were read after its release)")
         return self._storage.tensor(slot)
 
-    def release(self, slot: int, seen: bool = False) -> None:
-        """Free a claimed slot. seen: a worker built its input from it: offered to the tap first."""
+    def ready_event(self, slot: int) -> Any:
+        """What a reader waits on before reading the slot (a CUDA event on the GPU), or None."""
+        return self._storage.ready_event(slot)
+
+    def release(self, slot: int, seen: bool = False, after: Any = None) -> None:
+        """Free a claimed slot. seen: a worker built its input from it: offered to the tap first.
+        after: the CUDA event after which the reader's queued work no longer reads the slot (the next
+        write into it waits for it on the GPU); None: nothing pending."""
         if seen:
             self._offer(slot)
         with self._cond:
+            if after is not None:
+                self._storage.release_after(slot, after)
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
             shape = self._storage.shape(slot)
@@ -281,7 +307,11 @@ class FrameRing:
         if tap is None or meta is None:
             return
         try:
-            tap(meta, self._storage.tensor(slot))
+            ready = self._storage.ready_event(slot)
+            if ready is None:
+                tap(meta, self._storage.tensor(slot))
+            else:  # GPU slots: the copy into the slot may still be queued; the tap waits only if it takes the frame
+                tap(meta, self._storage.tensor(slot), ready=ready)
         except Exception:
             log.exception("view tap failed on %s#%d (the frame goes on)", self.stream, meta.seq)
 

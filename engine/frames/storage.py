@@ -1,11 +1,19 @@
 """SlotStorage: the one interface to the memory of a ring's slots.
 
 The ring (ring.py) owns the slots' states, the budget and the accounting; it asks its storage for
-memory only: allocate slot i at h x w, the array the writer copies into, the tensor a reader
-reads, free slot i. HostSlots is today's storage: uint8 HxWx3 host tensors, pinned when CUDA is
-available (pinning raises without a driver) so the upload is a DMA. GPU device slots (NV12,
-written by NVDEC) will be a second implementation (issue 23). Only engine/frames and the model
-runners touch pixels.
+memory only: allocate slot i at h x w, copy a decoded frame in, the tensor a reader reads, free
+slot i. Two implementations:
+  * HostSlots: uint8 (H, W, 3) RGB host tensors, pinned when CUDA is available (pinning raises
+    without a driver) so an upload is a DMA. CPU-decoded frames (PyAV) land here.
+  * DeviceSlots: uint8 (H * 3 // 2, W) NV12 tensors in GPU memory. NVDEC frames land here with a
+    device-to-device copy on the ring's own CUDA stream: no pixel crosses the host.
+Only engine/frames and the model runners touch pixels.
+
+Ordering without host syncs (DeviceSlots): a write waits (on the GPU) for the decoder's event
+(the frame is written) and for the slot's release event (the last reader's kernels are done with
+it), then records the slot's `ready` event, which a reader's stream waits on before reading.
+HostSlots keeps the same contract with host waits: a pinned slot whose upload was queued
+asynchronously is written again only after that upload's event has completed.
 
 Not thread-safe by itself: the ring calls it under its lock, except the writer's copy into a slot
 it reserved (WRITING) and the readers' views of slots they hold (CLAIMED), which nobody else touches.
@@ -14,7 +22,7 @@ it reserved (WRITING) and the readers' views of slots they hold (CLAIMED), which
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -24,6 +32,31 @@ class SlotStorage(ABC):
     """Memory for a fixed number of slots, each holding one frame of some h x w (sizes may differ
     while a stream changes size: a slot keeps its old size until it is freed)."""
 
+    #: the pixel format of the frames it holds (FrameMeta.pixel_format): "rgb24" | "nv12"
+    pixel_format: str = "rgb24"
+
+    def frame_bytes(self, h: int, w: int) -> int:
+        """Bytes one slot of h x w takes (budgets are computed from it)."""
+        return h * w * 3
+
+    @abstractmethod
+    def frame_size(self, frame: Any) -> tuple[int, int]:
+        """(h, w) of a decoded frame this storage takes. Raises ValueError naming what was given and
+        what is expected (the ring turns it into the stream's SourceError)."""
+
+    @abstractmethod
+    def write(self, slot: int, frame: Any, ready: Any = None) -> None:
+        """Copy `frame` into `slot` (allocated at its size). `ready`: the producer's CUDA event after
+        which `frame` is valid (NVDEC), or None. Called without the ring's lock: the slot is WRITING."""
+
+    def ready_event(self, slot: int) -> Any:
+        """What a reader of `slot` waits on before reading (a CUDA event), or None: readable now."""
+        return None
+
+    def release_after(self, slot: int, event: Any) -> None:
+        """The slot's last reader queued work that reads it until `event` completes: the next write
+        into it waits for that first. None: nothing pending."""
+
     @abstractmethod
     def resize(self, n: int) -> None:
         """Have slots 0..n-1, all free (the ring's first frame fixed their number)."""
@@ -32,10 +65,6 @@ class SlotStorage(ABC):
     def allocate(self, slot: int, h: int, w: int) -> None:
         """Make `slot` hold a frame of h x w (a no-op if it already does; an older size is freed first,
         so both are never held at once)."""
-
-    @abstractmethod
-    def writable(self, slot: int) -> np.ndarray:
-        """The (h, w, 3) uint8 array the writer copies a decoded frame into."""
 
     @abstractmethod
     def tensor(self, slot: int) -> torch.Tensor:
@@ -70,10 +99,18 @@ class HostSlots(SlotStorage):
         self._pin = torch.cuda.is_available() if pin is None else pin
         self._tensors: list[Optional[torch.Tensor]] = []
         self._arrays: list[Optional[np.ndarray]] = []  # numpy views of _tensors (same memory)
+        self._pending: list[Any] = []  # per slot: the event of an async upload still reading it, or None
 
     def resize(self, n: int) -> None:
         self._tensors = [None] * n
         self._arrays = [None] * n
+        self._pending = [None] * n
+
+    def frame_size(self, frame: Any) -> tuple[int, int]:
+        if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
+            what = (f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__)
+            raise ValueError(f"decoder produced {what}, expected an HxWx3 uint8 numpy array (rgb24)")
+        return int(frame.shape[0]), int(frame.shape[1])
 
     def allocate(self, slot: int, h: int, w: int) -> None:
         arr = self._arrays[slot]
@@ -82,13 +119,23 @@ class HostSlots(SlotStorage):
             t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
             self._tensors[slot], self._arrays[slot] = t, t.numpy()
 
-    def writable(self, slot: int) -> np.ndarray:
-        return self._arrays[slot]
+    def write(self, slot: int, frame: Any, ready: Any = None) -> None:
+        pending, self._pending[slot] = self._pending[slot], None
+        if pending is not None:
+            pending.synchronize()  # an upload queued from this pinned slot must finish before it is overwritten
+        np.copyto(self._arrays[slot], frame)  # PyAV has no `out=`: this is the frame's one copy
+
+    def release_after(self, slot: int, event: Any) -> None:
+        self._pending[slot] = event
 
     def tensor(self, slot: int) -> torch.Tensor:
         return self._tensors[slot]
 
     def free(self, slot: int) -> None:
+        # No wait here (free runs under the ring's lock, which the ingest threads and the core share): torch's
+        # caching host allocator keeps a pinned block that a non_blocking copy still reads until that copy's
+        # event completes, so dropping the tensor is safe.
+        self._pending[slot] = None
         self._tensors[slot] = self._arrays[slot] = None
 
     def shape(self, slot: int) -> Optional[tuple[int, int]]:
@@ -101,3 +148,104 @@ class HostSlots(SlotStorage):
 
     def count(self) -> int:
         return len(self._arrays)
+
+
+class DeviceSlots(SlotStorage):
+    """uint8 (H * 3 // 2, W) NV12 tensors on a CUDA device (the layout NVDEC hands out through DLPack:
+    H rows of Y, then H / 2 rows of interleaved U, V), written by a device-to-device copy on this
+    storage's own stream, ordered by events (module docstring), never by a host sync.
+
+    `device` may be a CPU device in tests, with `cuda` an object that fakes torch.cuda's Stream and
+    Event (tests/frames/test_device_slots.py): the ordering logic is the same code either way.
+    """
+
+    pixel_format = "nv12"
+
+    def __init__(self, device: torch.device, *, cuda: Any = None):
+        self.device = torch.device(device)
+        self._cuda = cuda if cuda is not None else torch.cuda
+        # A stream of torch's pool (never the legacy default stream, which would serialise against every other
+        # stream on the device): copies overlap the decoders' work and the models'.
+        self._stream = self._cuda.Stream(device=self.device) if cuda is None else self._cuda.Stream()
+        self._tensors: list[Optional[torch.Tensor]] = []
+        self._ready: list[Any] = []    # per slot: event after its last write (what readers wait on)
+        self._pending: list[Any] = []  # per slot: event after its last reader's work (what a write waits on)
+
+    def frame_bytes(self, h: int, w: int) -> int:
+        return h * w * 3 // 2
+
+    def frame_size(self, frame: Any) -> tuple[int, int]:
+        if not isinstance(frame, torch.Tensor) or frame.dim() != 2 or frame.dtype != torch.uint8 \
+                or frame.shape[0] % 3 or frame.shape[1] % 2:
+            what = (f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__)
+            raise ValueError(f"decoder produced {what}, expected an NV12 uint8 tensor of (H * 3 // 2, W) "
+                             "with even H and W")
+        return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
+
+    def resize(self, n: int) -> None:
+        self._tensors = [None] * n
+        self._ready = [None] * n
+        self._pending = [None] * n
+
+    def allocate(self, slot: int, h: int, w: int) -> None:
+        t = self._tensors[slot]
+        if t is None or tuple(t.shape) != (h * 3 // 2, w):
+            self.free(slot)  # the old size first: never hold both
+            # Allocated on this storage's stream: the caching allocator reuses a freed block only for work
+            # on the stream it belongs to, which free() orders after the slot's last reader.
+            with self._cuda.stream(self._stream):
+                self._tensors[slot] = torch.empty((h * 3 // 2, w), dtype=torch.uint8, device=self.device)
+
+    def write(self, slot: int, frame: Any, ready: Any = None) -> None:
+        pending, self._pending[slot] = self._pending[slot], None
+        with self._cuda.stream(self._stream):
+            if ready is not None:
+                self._stream.wait_event(ready)    # the decoder's copy-out is done
+            if pending is not None:
+                self._stream.wait_event(pending)  # the slot's last reader is done with it
+            self._tensors[slot].copy_(frame, non_blocking=True)
+            event = self._cuda.Event()
+            event.record(self._stream)
+        self._ready[slot] = event
+        # The source's tensor may be freed as soon as the caller drops it: the caching allocator must not
+        # hand its memory to another tensor before this stream's copy has read it.
+        if hasattr(frame, "record_stream") and frame.device.type == "cuda":
+            frame.record_stream(self._stream)
+
+    def ready_event(self, slot: int) -> Any:
+        return self._ready[slot]
+
+    def release_after(self, slot: int, event: Any) -> None:
+        self._pending[slot] = event
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        return self._tensors[slot]
+
+    def free(self, slot: int) -> None:
+        # The block goes back to this stream's pool (allocate()); a reader's work on another stream that
+        # may still read it is ordered before anything this stream does next.
+        pending, self._pending[slot] = self._pending[slot], None
+        if self._tensors[slot] is not None and pending is not None:
+            self._stream.wait_event(pending)
+        self._tensors[slot] = None
+        self._ready[slot] = None
+
+    def shape(self, slot: int) -> Optional[tuple[int, int]]:
+        t = self._tensors[slot]
+        return None if t is None else (int(t.shape[0]) * 2 // 3, int(t.shape[1]))
+
+    def nbytes(self, slot: int) -> int:
+        t = self._tensors[slot]
+        return 0 if t is None else t.numel()
+
+    def count(self) -> int:
+        return len(self._tensors)
+
+
+def storage_for(pixel_format: str, device: Optional[torch.device] = None, *, pin: Optional[bool] = None) -> SlotStorage:
+    """The storage for frames of `pixel_format`: rgb24 -> HostSlots, nv12 -> DeviceSlots on `device`."""
+    if pixel_format == "rgb24":
+        return HostSlots(pin)
+    if pixel_format == "nv12":
+        return DeviceSlots(device if device is not None else torch.device("cuda"))
+    raise ValueError(f"pixel format {pixel_format!r}: use rgb24 or nv12")

@@ -1,7 +1,8 @@
 """The worker interface every model pool drives.
 
 A pool calls `prepare(frames)` to build the model input from the frames' slots (`FrameRef.pixels()`;
-after which the slots are released, so decoding continues while the model runs), then `infer(inputs)`,
+after which the slots are released, on the GPU after `release_event()`, so decoding continues while the
+model runs), then `infer(inputs)`,
 which returns one dict of output fields per frame, merged into that frame's message.
 """
 
@@ -37,11 +38,19 @@ class ModelRunner(ABC):
     kind: str = "worker"
     #: "pretrained", "random" or the weights file name; copied into every message
     weights_tag: str = "random"
+    #: reads NV12 frames in GPU slots (NVDEC); a stream feeding a pool whose runners do not is decoded on the CPU
+    accepts_nv12: bool = False
 
     @abstractmethod
     def prepare(self, frames: Sequence[FrameRef]) -> Any:
         """Build the model input, reading pixels with `ref.pixels()`. Must not keep references to
         the pixels: the slots are released (and reused) once this returns."""
+
+    def release_event(self) -> Any:
+        """Called right after prepare (returned or raised), on the same thread: a CUDA event recorded
+        after the work prepare queued that reads the frames' slots, so the slots are reused only once
+        it completes, without a host sync; None (the default, and on the CPU): prepare read them already."""
+        return None
 
     @abstractmethod
     def infer(self, inputs: Any) -> list[dict]:

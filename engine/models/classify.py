@@ -19,6 +19,8 @@ import torch
 from engine.config import ClassifyConfig
 from engine.errors import ConfigError
 from engine.models.base import ModelRunner, time_batches
+from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, HostCopy, default_sizes
+from engine.models.batch_preprocess import BatchPreprocessor
 from engine.models.preprocess import InputContract, Preprocessor
 from engine.models.weights import fetch_pretrained, load_strict, read_state_dict
 from engine.models.device import resolve_device, resolve_dtype
@@ -85,7 +87,9 @@ class ClassifierRunner(ModelRunner):
 
     kind = "classify"
 
-    def __init__(self, cfg: ClassifyConfig, *, model: torch.nn.Module | None = None, weights_tag: str | None = None):
+    def __init__(self, cfg: ClassifyConfig, *, model: torch.nn.Module | None = None, weights_tag: str | None = None,
+                 graph_backend: GraphBackend | None = None):
+        """`graph_backend` replaces the CUDA one (tests drive the graph path on the CPU with a fake)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device, f"{KEY}.device")
         self.dtype = resolve_dtype(cfg.dtype, self.device, f"{KEY}.dtype")
@@ -94,25 +98,93 @@ class ClassifierRunner(ModelRunner):
         self.weights_tag = weights_tag or "random"
         self.model = model.eval().to(self.device, self.dtype)
         self.labels = class_labels(self.model)
-        self.pre = Preprocessor(timm_contract(self.model), cfg.preprocess, self.device, self.dtype)
+        contract = timm_contract(self.model)
+        self.pre = Preprocessor(contract, cfg.preprocess, self.device, self.dtype)
+        # NV12 frames (NVDEC, in GPU slots) always, and on a GPU the host RGB frames of `fast` too: one batched
+        # op per frame size, host frames up through one pinned staging buffer per batch (batch_preprocess.py)
+        self.batch_pre = BatchPreprocessor(contract, self.device, self.dtype)
+        self._slots_read_on_gpu = False  # the last prepare queued GPU work that reads NV12 slots
+        # NVDEC's NV12 slots are read here only on a GPU (the batched op runs where the pixels are)
+        self.accepts_nv12 = self.device.type == "cuda"
         self.topk = min(cfg.topk, self.model.num_classes)
         # One CUDA stream per instance, so instances sharing the GPU overlap uploads and compute.
-        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # High priority: torch hands out streams round-robin from a pool of 32 per priority, which 48 decoders
+        # and rings share; the model's stream comes from the (separate) high-priority pool, so its kernels are
+        # not queued behind a decoder's copies, and the GPU schedules them first.
+        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # results reach the host through pinned buffers and an event on a GPU; the CPU path reads them as is
+        self._host = HostCopy() if self.device.type == "cuda" else None
+        self.graphs: GraphDispatcher | None = None  # captured at warm-up (capture_graphs)
+        if cfg.cuda_graphs and (graph_backend is not None or self.device.type == "cuda"):
+            self.graphs = GraphDispatcher(self._eager_forward, cfg.graph_batch_sizes or default_sizes(cfg.max_batch),
+                                          backend=graph_backend or CudaGraphBackend(self.device), key=KEY)
+        elif self.device.type == "cuda":
+            log.info("%s: cuda_graphs is off: every batch runs eager", KEY)
 
     def _on_stream(self):
         import contextlib
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def prepare(self, frames: Sequence) -> torch.Tensor:
+        """The model input from the frames' slots: RGB host slots (CPU decode) or NV12 GPU slots (NVDEC),
+        mixed in one batch when a pool's streams decode differently. On a GPU nothing here waits on the
+        host: this stream waits on each slot's write event, and the slots are released on the event
+        `release_event` records after this work (the ring rewrites a slot only once it has fired)."""
         with self._on_stream():
-            x = self.pre([f.pixels() for f in frames])
-        if self.stream is not None:
-            self.stream.synchronize()  # uploads done: the ring slots may be reused
-        return x
+            if self.stream is not None:
+                for f in frames:
+                    ready = f.ready_event()
+                    if ready is not None:
+                        self.stream.wait_event(ready)
+            nv12 = [i for i, f in enumerate(frames) if f.meta.pixel_format == "nv12"]
+            # only NV12 slots are read by queued GPU work; host RGB slots are read on the host before this
+            # returns (the staging copy, or the CPU Preprocessor), so their release needs no event
+            self._slots_read_on_gpu = bool(nv12) and self.stream is not None
+            if not nv12:
+                return self._rgb([f.pixels() for f in frames])
+            x = self.batch_pre([frames[i].pixels() for i in nv12], "nv12", [frames[i].meta.colour for i in nv12])
+            if len(nv12) == len(frames):
+                return x
+            rgb = [i for i in range(len(frames)) if i not in set(nv12)]
+            out = torch.empty((len(frames), *x.shape[1:]), dtype=x.dtype, device=x.device)
+            _scatter_rows(out, nv12, x)  # slices, not a host index list (that would be a blocking upload)
+            _scatter_rows(out, rgb, self._rgb([frames[i].pixels() for i in rgb]))
+            return out
+
+    def _rgb(self, pixels: list[torch.Tensor]) -> torch.Tensor:
+        """Host RGB frames: on a GPU (fast), one staging copy per batch; otherwise today's Preprocessor
+        (exact: timm's PIL pipeline; fast on the CPU: uint8 tensor ops)."""
+        if self.device.type == "cuda" and self.cfg.preprocess == "fast":
+            return self.batch_pre(pixels, "rgb24")
+        return self.pre(pixels)
+
+    def release_event(self):
+        """After a prepare that read NV12 slots on the GPU: an event after everything queued so far on this
+        runner's stream (those reads included). None otherwise: prepare has read the slots already."""
+        if not self._slots_read_on_gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def capture_graphs(self) -> None:
+        """Capture the forward's CUDA graphs (once; a no-op without graphs). Called by `warmup`, and for
+        instances the pool never warms up by `build_pool`: at start, before any stream's thread starts
+        (instances rebuilt after a failure run eager: build_pool)."""
+        if self.graphs is not None and not self.graphs.attempted:
+            self.graphs.capture(self.pre.data_config["input_size"], self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits float32, pooled embedding or None)."""
+        """(logits float32, pooled embedding or None). Replayed from a CUDA graph when one was captured
+        for this batch size or the next one up: then views of the graph's static outputs, which the next
+        `forward` overwrites (read or copy them first); eager otherwise."""
+        if self.graphs is not None:
+            return self.graphs.run(x)
+        return self._eager_forward(x)
+
+    @torch.inference_mode()
+    def _eager_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         feats = self.model.forward_features(x)
         logits = self.model.forward_head(feats).float()
         emb = self.model.forward_head(feats, pre_logits=True) if self.cfg.embedding else None
@@ -123,24 +195,44 @@ class ClassifierRunner(ModelRunner):
             logits, emb = self.forward(inputs)
             probs = logits.softmax(dim=-1)
             top_p, top_i = probs.topk(self.topk, dim=-1)
+            if self._host is not None:  # queued behind the batch's kernels; one event wait below
+                host = self._host.copy([top_p, top_i] + ([emb.float().to(torch.float16)] if emb is not None else []),
+                                       self.stream)
+        if self._host is not None:
+            self._host.wait()
+            top_p, top_i = host[0].tolist(), host[1].tolist()
+            e16 = host[2].numpy() if emb is not None else None
+        else:
             top_p, top_i = top_p.cpu().tolist(), top_i.cpu().tolist()
+            e16 = emb.float().cpu().to(torch.float16).numpy() if emb is not None else None
         out = []
         for r in range(len(top_i)):
             fields: dict[str, Any] = {"topk": [[i, self.labels[i], p] for i, p in zip(top_i[r], top_p[r])]}
-            out.append(fields)
-        if emb is not None:
-            with self._on_stream():
-                e16 = emb.float().cpu().to(torch.float16).numpy()
-            for r, fields in enumerate(out):
+            if e16 is not None:
                 fields["embedding"] = e16[r].tobytes()
+            out.append(fields)
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
+        """Capture the graphs, then seconds per batch size. Eager: the sizes asked for. With graphs, also
+        every size up to the largest graph, each the time of the size it is padded to (3 costs what 4
+        does), so the latency model learns the steps instead of interpolating across them; a size over
+        the largest graph runs eager and is measured as itself."""
         c, h, w = self.pre.data_config["input_size"]
-        return time_batches(self.forward, lambda b: torch.randn(b, c, h, w, device=self.device).to(self.dtype),
-                            batch_sizes, self.device)
+        self.capture_graphs()
+
+        def make(b: int) -> torch.Tensor:
+            return torch.randn(b, c, h, w, device=self.device).to(self.dtype)
+        if self.graphs is None or not self.graphs.sizes:
+            return time_batches(self.forward, make, batch_sizes, self.device)
+        wanted = sorted(set(batch_sizes) | set(range(1, min(max(batch_sizes), self.graphs.sizes[-1]) + 1)))
+        runs = {b: self.graphs.dispatch(b) or b for b in wanted}
+        seen = time_batches(self.forward, make, sorted(set(runs.values())), self.device)
+        return {b: seen[runs[b]] for b in wanted}
 
     def close(self) -> None:
+        if self.graphs is not None:  # before the weights go: a replay would read freed memory
+            self.graphs.close()
         self.model = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -150,8 +242,25 @@ def build_pool(cfg: ClassifyConfig, *, models: list[ModelRunner] | None = None,
                factory: Callable[[], ModelRunner] | None = None) -> PoolSpec:
     """`cfg.workers` instances sharing one copy of the model; a failed one is rebuilt from the same model."""
     if models is None:
-        models, more = instances(lambda **kw: ClassifierRunner(cfg, **kw), cfg.workers or 1)
-        factory = factory or more
+        def make(capture: bool = True, **kw: Any) -> ModelRunner:
+            # every instance captures its own graphs (own buffers, own stream), not only the one the pool
+            # warms up: here, at start, before any stream's thread starts
+            runner = ClassifierRunner(cfg, **kw)
+            if capture:
+                runner.capture_graphs()
+            return runner
+        models, _ = instances(make, cfg.workers or 1)
+
+        def rebuilt() -> ModelRunner:
+            # No capture at run time: torch.cuda.graph() synchronises the device and empties the caching
+            # allocator on entry, which would stall the rebuilding thread (the core's, for the watchdog) for
+            # seconds, or for ever on a hung GPU. A rebuilt instance runs eager, and says so.
+            runner = make(capture=False, model=models[0].model, weights_tag=models[0].weights_tag)
+            if runner.graphs is not None:
+                runner.graphs.eager_reason = "rebuilt after a failure: graphs are captured only at start"
+                log.warning("%s: a rebuilt instance runs eager (%s)", KEY, runner.graphs.eager_reason)
+            return runner
+        factory = factory or rebuilt
     return PoolSpec("classify", models, factory, cfg.max_batch, cfg.threads)
 
 
@@ -160,3 +269,13 @@ def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int, live: bool) -> tup
     cuda = resolve_device(cfg.device, f"{KEY}.device").type == "cuda"
     plan = plan_classify(cores=cores, pools=pools, cuda=cuda, live=live, workers=cfg.workers, threads=cfg.threads)
     return cfg.model_copy(update={"workers": plan.workers, "threads": plan.threads}), plan
+
+
+def _scatter_rows(out: torch.Tensor, rows: list[int], x: torch.Tensor) -> None:
+    """out[rows[k]] = x[k], copied run by run of consecutive rows with slices (device-to-device copies; an
+    index list would first be uploaded from pageable host memory, a blocking copy)."""
+    start = 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or rows[k] != rows[k - 1] + 1:
+            out[rows[start]:rows[k - 1] + 1] = x[start:k]
+            start = k

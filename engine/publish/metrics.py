@@ -8,7 +8,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 from urllib.parse import urlsplit
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -120,10 +120,17 @@ class Metrics:
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, open fds, CPU seconds
         self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",
                                ["pool", "stage"], buckets=_BUCKETS, registry=self.registry)
+        self._children: dict[tuple[str, str], Any] = {}  # (pool, stage) -> the histogram's child
         self._server = None
 
     def observe(self, pool: str, stage: str, seconds: float) -> None:
-        self.stage.labels(pool, stage).observe(seconds)
+        # labels() builds a key and takes the metric's lock on every call (~2 us, twice a frame, measured by
+        # benchmarks/bench_host.py --profile); the children are fixed, so each is looked up once. Races
+        # only ever store the same child twice.
+        child = self._children.get((pool, stage))
+        if child is None:
+            child = self._children[(pool, stage)] = self.stage.labels(pool, stage)
+        child.observe(seconds)
 
     def serve(self, host: str, port: int, token: Optional[str] = None) -> None:
         """Serve /metrics on its own threads. Without a token, requests must name a loopback host (a

@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import numpy as np
+import torch
+
+from engine.models.colour import nv12_to_rgb
 
 from engine.config import ViewConfig
 from engine.executor.supervise import SupervisedThread
@@ -46,6 +49,15 @@ INBOX = 256           # published messages waiting for the encoder thread, per s
 OFFLINE_WAIT_S = 2.0  # offline frames have no deadline: a frame missing a pool's result is shown after this
 MIN_SIDE = 64         # the smallest longer side a page may ask for (below it a tile shows nothing useful)
 OUTCOMES = ("shown", "busy", "unmatched", "superseded", "results_overflow")
+
+
+def _nv12_rgb(nv12, colour: tuple[str, str], ready) -> torch.Tensor:
+    """One NV12 slot as (H, W, 3) uint8 RGB in host memory (the view shows RGB JPEGs). The conversion is the
+    models' (engine/models/colour.py), on the slot's device; rare (at most view.fps frames a second)."""
+    if ready is not None:
+        ready.synchronize()  # this one copy, not the device
+    rgb = nv12_to_rgb(nv12.unsqueeze(0), *colour)[0].round_().clamp_(0, 255).to(torch.uint8)
+    return rgb.permute(1, 2, 0).contiguous().cpu()
 
 
 @dataclass(slots=True)
@@ -173,16 +185,19 @@ class ViewHub:
                 del self._streams[stream]
 
     # -- the tap (worker threads) ----------------------------------------------------------------
-    def capture(self, meta: FrameMeta, pixels, pool: str = "") -> None:
+    def capture(self, meta: FrameMeta, pixels, pool: str = "", ready=None) -> None:
         """A worker of `pool` built its input from this ring slot and is about to free it. The cap is per
         pool: a slow pool (SAM 2) takes frames of its own, which get its results, while a fast one
-        (classify) takes others."""
+        (classify) takes others. NV12 slots (NVDEC, GPU memory) come with `ready`, the event after which the
+        slot holds the frame: waited for (on the host) only when the frame is taken, then converted to RGB."""
         st = self._streams.get(meta.stream)
         if st is None or not st.watchers:
             return
         now = time.monotonic()
         if now < st.next_due.get(pool, 0.0) or meta.seq in st.recent:
             return
+        if meta.pixel_format == "nv12":
+            pixels = _nv12_rgb(pixels, meta.colour, ready)
         arr = pixels.numpy() if hasattr(pixels, "numpy") else pixels
         with self._lock:
             if not st.watchers or now < st.next_due.get(pool, 0.0) or meta.seq in st.recent:

@@ -80,6 +80,7 @@ def test_add_and_remove_streams_at_run_time(running, endpoint):
     wait_for(lambda: eng.pools["classify"].acct.snapshot("cam2").published >= 10, 10)
     listed = request(ctl, {"op": "list"})["streams"]
     assert set(listed) == {"cam1", "cam2"} and listed["cam2"]["state"] == "running"
+    assert listed["cam2"]["decode"] == {"device": "cpu", "reason": "synthetic"}  # where, and why
     cam1_before = eng.pools["classify"].acct.snapshot("cam1").published
     t0 = time.monotonic()
     assert request(ctl, {"op": "remove_stream", "stream": "cam2"}) == {"ok": True}

@@ -15,7 +15,7 @@ from engine.control.runtime import EXIT_DEAD, StatusPrinter, run
 from engine.models.noop import NoopRunner
 from engine.testing.wait import wait_for
 from tests.support.collector import Collector
-from tests.support.engines import engine_config
+from tests.support.engines import engine_config, run_engine
 
 
 def snap(eng, sid, pool="classify"):
@@ -138,6 +138,55 @@ def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
     msgs = [m for m in col.wait(5) if m["stream"] == "short"]
     assert [m["seq"] for m in msgs if m["type"] == "classify"] == list(range(10))
     assert msgs[-1]["kind"] == "eos" and msgs[-1]["t"] - msgs[-2]["t_publish"] < 1.0
+
+
+def test_one_offline_stream_with_fewer_slots_than_a_batch_still_delivers_every_frame(endpoint):
+    """ring.max_slots under max_batch is allowed (batches are formed across streams; ring_shortfalls says
+    so at start): a lone offline stream then runs in smaller batches, and loses nothing."""
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=40", "mode": "offline"}],
+                        endpoint, models={"classify": {"max_batch": 8}}, ring={"min_slots": 2, "max_slots": 3})
+    sizes = []
+
+    class Sized(NoopRunner):
+        def prepare(self, frames):
+            sizes.append(len(frames))
+            return super().prepare(frames)
+    eng, finished = run_engine(cfg, models={"classify": Sized(per_frame_s=0.001)})
+    assert finished
+    s = snap(eng, "s")
+    assert (s.ingested, s.published) == (40, 40)
+    assert sum(sizes) == 40 and max(sizes) <= 3  # never more frames of one stream at once than its slots
+
+
+def test_a_streams_state_says_where_its_video_is_decoded_and_why(endpoint, clip48):
+    """decode: auto (the default) decodes on the CPU where NVDEC cannot serve the stream, and says why: no
+    CUDA device, or a pool that reads RGB frames only (SAM 2, a pool on the CPU: NVDEC frames are NV12 in
+    GPU memory and go into every pool's ring alike); decode: cpu says so; decode: cuda into such a pool is
+    refused, naming the pool."""
+    import torch
+    from engine.errors import ConfigError
+
+    class Nv12Runner(NoopRunner):
+        accepts_nv12 = True
+    streams = [{"id": "auto", "url": str(clip48), "mode": "offline"},
+               {"id": "cpu", "url": str(clip48), "mode": "offline", "decode": "cpu"}]
+    seen = {}
+    for name, runner in (("nv12", Nv12Runner()), ("rgb", NoopRunner())):
+        eng = Engine(engine_config(streams, endpoint), models={"classify": runner})
+        eng.start()
+        try:
+            seen[name] = eng.describe()
+        finally:
+            eng.stop()
+    assert seen["nv12"]["cpu"]["decode"] == {"device": "cpu", "reason": "decode: cpu"}
+    if not torch.cuda.is_available():
+        assert seen["nv12"]["auto"]["decode"] == {"device": "cpu",
+                                                  "reason": "auto: no CUDA device (torch.cuda.is_available() is False)"}
+    assert seen["rgb"]["auto"]["decode"] == {"device": "cpu", "reason": "auto: pool(s) ['classify'] read RGB frames only"}
+    forced = engine_config([{"id": "gpu", "url": str(clip48), "mode": "offline", "decode": "cuda"}], endpoint)
+    with pytest.raises(ConfigError, match=r"streams\.0 \(gpu\): stream\.decode: cuda, but pool\(s\) \['classify'\] "
+                                          r"read RGB frames only .*set decode: cpu or auto"):
+        Engine(forced, models={"classify": NoopRunner()}).start()
 
 
 def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):

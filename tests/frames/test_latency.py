@@ -110,7 +110,7 @@ class _Ring:
     def __init__(self):
         self.metas, self.wrote = [], threading.Event()
 
-    def write(self, meta, rgb, stop=None):
+    def write(self, meta, rgb, stop=None, ready=None):
         self.metas.append(meta)
         self.wrote.set()
         return True

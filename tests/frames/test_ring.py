@@ -97,7 +97,7 @@ def test_rejects_absurd_and_malformed_frames():
     r, acct = ring(max_pixels=100)
     with pytest.raises(SourceError, match=r"frame 16x16 exceeds ring.max_frame_pixels=100"):
         r.write(*frame(0, h=16, w=16))
-    with pytest.raises(SourceError, match="expected HxWx3 uint8"):
+    with pytest.raises(SourceError, match="expected an HxWx3 uint8 numpy array"):
         r.write(FrameMeta("s", 0, 0, 0), np.zeros((4, 4), np.uint8))
     assert acct.snapshot("s").ingested == 0
 

@@ -141,3 +141,29 @@ def test_random_weights_warn(caplog):
         w = ClassifierRunner(VitConfig(name=MODEL, weights="random", device="cpu"))
     assert w.weights_tag == "random"
     assert "RANDOM weights" in caplog.text
+
+
+@pytest.mark.timeout(120)
+def test_nv12_frames_and_mixed_batches_give_each_frame_its_own_input(model):
+    """NVDEC frames (NV12 slots) go through the batched NV12 op, RGB frames through the configured
+    preprocessing, and a batch mixing the two (streams decoded differently) keeps every frame's own
+    input in its place. Each frame's input equals its own batch-of-one input."""
+    import av
+
+    from engine.frames.ref import LooseFrames
+
+    w = ClassifierRunner(VitConfig(name=MODEL, weights="random", device="cpu"), model=model, weights_tag="random")
+    rng = np.random.default_rng(3)
+    frames = [av.VideoFrame.from_ndarray(rng.integers(0, 255, (96, 128, 3), dtype=np.uint8), format="rgb24")
+              .reformat(format="nv12") for _ in range(3)]
+    nv12 = [torch.from_numpy(f.to_ndarray(format="nv12")) for f in frames]
+    rgb = [torch.from_numpy(f.to_ndarray(format="rgb24")) for f in frames]
+    nv12_refs = LooseFrames(nv12).refs("gpu-cam", pixel_format="nv12")
+    rgb_refs = LooseFrames(rgb).refs("cpu-cam")
+    alone = [w.prepare([r])[0] for r in nv12_refs] + [w.prepare([r])[0] for r in rgb_refs]
+    mixed = [nv12_refs[0], rgb_refs[0], rgb_refs[1], nv12_refs[1], rgb_refs[2], nv12_refs[2]]
+    order = [0, 3, 4, 1, 5, 2]  # where each of `mixed` sits in `alone`
+    x = w.prepare(mixed)
+    for i, j in enumerate(order):
+        assert torch.allclose(x[i], alone[j], atol=1e-5), i
+    assert w.release_event() is None  # on the CPU prepare has read the slots already

@@ -8,6 +8,7 @@ import socket
 import struct
 import subprocess
 import sys
+import io
 import time
 import urllib.error
 import urllib.request
@@ -55,6 +56,34 @@ def test_unwatched_stream_costs_nothing(hub, monkeypatch):
         hub.capture(_meta(seq), _frame(seq))
         hub.on_message({"type": "classify", "stream": "cam", "seq": seq})
     assert copies == [] and hub.shown("cam") == (0, None, {}) and hub.counters()["shown"] == {}
+
+
+def test_an_nv12_slot_is_shown_as_its_rgb_and_waits_only_for_its_own_copy(hub):
+    """NVDEC frames sit in GPU slots as NV12: the view converts the one it takes (the models' conversion)
+    and waits on that slot's copy event only; a frame it does not take costs no wait."""
+    import av
+
+    class Ready:
+        synced = 0
+
+        def synchronize(self):
+            Ready.synced += 1
+    rgb = np.zeros((24, 32, 3), np.uint8)
+    rgb[:, :16] = (200, 40, 40)
+    nv12 = torch.from_numpy(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="nv12")
+                            .to_ndarray(format="nv12"))
+    hub.expect("cam", [])
+    hub.capture(FrameMeta("cam", 1, 0.0, time.time(), height=24, width=32, pixel_format="nv12"), nv12, ready=Ready())
+    assert Ready.synced == 0  # nobody watches: not taken, not waited for
+    hub.watch("cam", +1)
+    hub.capture(FrameMeta("cam", 2, 0.0, time.time(), height=24, width=32, pixel_format="nv12"), nv12, ready=Ready())
+    assert Ready.synced == 1
+    assert wait_for(lambda: len(hub._streams["cam"].frames) == 1, 10.0, 0.01)
+    hub.on_message({"type": "classify", "stream": "cam", "seq": 2, "topk": []})
+    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
+    jpeg = hub.shown("cam")[1].jpeg
+    shown = av.open(io.BytesIO(jpeg)).decode(video=0).__next__().to_ndarray(format="rgb24").astype(int)
+    assert np.abs(shown[:, 2:14] - (200, 40, 40)).max() < 30 and np.abs(shown[:, 18:30]).max() < 30
 
 
 def test_a_frame_is_shown_only_with_the_results_of_the_same_seq(hub):

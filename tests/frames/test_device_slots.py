@@ -1,0 +1,229 @@
+"""GPU frame slots (DeviceSlots): NV12 frames, ordered by events, never by a host sync.
+
+The ordering logic runs here on CPU tensors with a fake of torch.cuda's Stream and Event that logs
+what each stream was told to wait for; the same code runs on a GPU with the real ones (the `gpu`
+test at the end, and benchmarks/gpu_check.py). What has not run on a GPU: all of it, until a device
+session runs the gpu-marked test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from engine.errors import SourceError
+from engine.frames import ring as ring_module
+from engine.frames.accounting import Accounting
+from engine.frames.lifecycle import FrameMeta
+from engine.frames.ref import LooseFrames
+from engine.frames.ring import FrameRing
+from engine.frames.storage import DeviceSlots, HostSlots
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeEvent:
+    def __init__(self, name=""):
+        self.name, self.recorded_on, self.synced = name, None, 0
+
+    def record(self, stream):
+        self.recorded_on = stream
+
+    def synchronize(self):
+        self.synced += 1
+
+
+class FakeStream:
+    def __init__(self):
+        self.log: list = []  # ("wait", event) in the order they were queued (copies are not seen by the fake)
+
+    def wait_event(self, event):
+        self.log.append(("wait", event))
+
+
+class FakeCuda:
+    """torch.cuda's Stream, Event and stream() as DeviceSlots uses them."""
+
+    def __init__(self):
+        self.streams: list[FakeStream] = []
+        self.current = None
+
+    def Stream(self, **_):
+        s = FakeStream()
+        self.streams.append(s)
+        return s
+
+    def Event(self):
+        return FakeEvent("slot-ready")
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        prev, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = prev
+
+
+def nv12(value: int, h: int = 8, w: int = 8) -> torch.Tensor:
+    return torch.full((h * 3 // 2, w), value, dtype=torch.uint8)
+
+
+def device_ring(slots=3, live=True, h=8, w=8):
+    acct = Accounting("classify")
+    cuda = FakeCuda()
+    storage = DeviceSlots(torch.device("cpu"), cuda=cuda)
+    r = FrameRing("cam", live=live, accounting=acct, memory_bytes=slots * h * w * 3 // 2, min_slots=2,
+                  max_slots=16, max_frame_pixels=10**8, storage=storage)
+    acct.add_holder("ring", lambda: Counter({"cam": r.ready()}))
+    return r, cuda, acct
+
+
+def meta(seq):
+    return FrameMeta("cam", seq, seq / 60, time.time(), deadline=math.inf)
+
+
+def test_nv12_frames_round_trip_and_the_budget_counts_one_and_a_half_bytes_a_pixel():
+    r, cuda, _ = device_ring(slots=3)
+    assert r.write(meta(0), nv12(7), ready=FakeEvent("decoded"))
+    assert r.capacity == 3  # memory / (8 * 8 * 1.5): an RGB budget (3 bytes a pixel) would give 2 (the minimum)
+    (ref,) = r.take_ready()
+    assert ref.meta.pixel_format == "nv12" and (ref.meta.height, ref.meta.width) == (8, 8)
+    assert torch.equal(ref.pixels(), nv12(7))
+    assert r.allocated_bytes() == 3 * 8 * 8 * 3 // 2
+
+
+def test_a_write_waits_on_the_decoder_then_on_the_slots_last_reader_and_readers_wait_on_the_write():
+    r, cuda, _ = device_ring(slots=2)
+    decoded = FakeEvent("decoded")
+    r.write(meta(0), nv12(1), ready=decoded)
+    copy_stream = cuda.streams[0]
+    assert copy_stream.log == [("wait", decoded)]
+    (ref,) = r.take_ready()
+    written = ref.ready_event()
+    assert written.recorded_on is copy_stream  # a reader's stream waits on this, not on the host
+    read_done = FakeEvent("read")
+    slot = ref.slot
+    ref.release(seen=True, after=read_done)
+    copy_stream.log.clear()
+    for seq in (1, 2):  # two frames: one of them reuses the released slot
+        r.write(meta(seq), nv12(seq + 1), ready=FakeEvent(f"decoded{seq}"))
+    waits = [e for op, e in copy_stream.log if op == "wait"]
+    assert read_done in waits  # the rewrite of that slot waited on the GPU for its reader
+    assert waits.index(read_done) > 0 and waits[waits.index(read_done) - 1].name.startswith("decoded")
+    assert read_done.synced == 0  # never a host sync
+    assert slot in {f.slot for f in r.take_ready()}
+
+
+def test_the_pending_reader_event_is_waited_for_once():
+    r, cuda, _ = device_ring(slots=2)
+    r.write(meta(0), nv12(1))
+    (ref,) = r.take_ready()
+    done = FakeEvent("read")
+    ref.release(seen=False, after=done)
+    for seq in range(1, 5):
+        r.write(meta(seq), nv12(seq))
+        r.take_ready()[0].release()
+    assert [e for op, e in cuda.streams[0].log if op == "wait"].count(done) == 1
+
+
+@pytest.mark.parametrize("frame, message", [
+    (np.zeros((8, 8, 3), np.uint8), r"stream 'cam': decoder produced uint8 \(8, 8, 3\), expected an NV12 uint8 tensor .* \(this ring holds nv12\)"),
+    (torch.zeros((8, 8), dtype=torch.uint8), r"expected an NV12 uint8 tensor of \(H \* 3 // 2, W\)"),
+    (torch.zeros((12, 8), dtype=torch.float32), r"decoder produced torch.float32 \(12, 8\)"),
+])
+def test_a_frame_the_slots_cannot_hold_is_the_streams_error(frame, message):
+    r, _, acct = device_ring()
+    with pytest.raises(SourceError, match=message):
+        r.write(meta(0), frame)
+    assert acct.snapshot("cam").ingested == 0
+
+
+def test_a_ring_given_no_storage_takes_device_slots_for_a_tensor_and_host_slots_for_an_array(monkeypatch):
+    made = []
+
+    def device_slots(device):
+        made.append(device)
+        return DeviceSlots(device, cuda=FakeCuda())
+    monkeypatch.setattr(ring_module, "DeviceSlots", device_slots)
+    for first, expect in ((nv12(3), "nv12"), (np.full((8, 8, 3), 3, np.uint8), "rgb24")):
+        r = FrameRing("cam", live=True, accounting=Accounting("p"), memory_bytes=2**16, min_slots=2, max_slots=4,
+                      max_frame_pixels=10**8, pin=False)
+        r.write(meta(0), first)
+        (ref,) = r.take_ready()
+        assert ref.meta.pixel_format == expect
+        assert torch.equal(torch.as_tensor(ref.pixels()), torch.as_tensor(first))
+        with pytest.raises(SourceError, match="this ring holds " + expect):  # a stream does not switch decoders
+            r.write(meta(1), np.zeros((8, 8, 3), np.uint8) if expect == "nv12" else nv12(1))
+    assert made == [torch.device("cpu")]
+
+
+def test_host_slots_wait_for_a_pending_upload_before_the_slot_is_rewritten():
+    s = HostSlots(pin=False)
+    s.resize(1)
+    s.allocate(0, 2, 2)
+    upload = FakeEvent("upload")
+    s.release_after(0, upload)
+    s.write(0, np.ones((2, 2, 3), np.uint8))
+    assert upload.synced == 1
+    s.write(0, np.ones((2, 2, 3), np.uint8))
+    assert upload.synced == 1  # waited for once
+    later = FakeEvent("upload2")
+    s.release_after(0, later)
+    s.free(0)  # under the ring's lock: no wait (torch's pinned allocator holds the block for the copy)
+    assert later.synced == 0
+
+
+def test_the_worker_thread_releases_slots_on_the_models_release_event():
+    """The pool's worker thread asks the model for its release event right after prepare and hands
+    it to every frame's release (executor/worker_thread.py)."""
+    from engine.executor.messages import Batch
+    from engine.executor.worker_thread import WorkerThread
+    from engine.models.noop import NoopRunner
+
+    class Store(LooseFrames):
+        def __init__(self, tensors):
+            super().__init__(tensors)
+            self.after = []
+
+        def release(self, slot, seen, after=None):
+            super().release(slot, seen, after)
+            self.after.append(after)
+
+    marker = FakeEvent("prepared")
+
+    class Model(NoopRunner):
+        def release_event(self):
+            return marker
+
+    store = Store([torch.zeros(4, 4, 3, dtype=torch.uint8)] * 2)
+    t = WorkerThread("p", 0, Model(per_frame_s=0.0), threads=None, on_done=lambda *_: True)
+    t._execute(Batch(0, store.refs("cam")))
+    assert store.after == [marker, marker]
+
+
+@pytest.mark.gpu
+def test_device_slots_on_a_gpu_copy_and_order_by_events():
+    r = FrameRing("cam", live=True, accounting=Accounting("p"), memory_bytes=2**22, min_slots=2, max_slots=4,
+                  max_frame_pixels=10**8)
+    src = torch.arange(12 * 8, dtype=torch.int32).remainder(256).to(torch.uint8).view(12, 8).cuda()
+    decoder = torch.cuda.Stream()
+    ready = torch.cuda.Event()
+    ready.record(decoder)
+    r.write(meta(0), src, ready=ready)
+    (ref,) = r.take_ready()
+    reader = torch.cuda.Stream()
+    reader.wait_event(ref.ready_event())
+    with torch.cuda.stream(reader):
+        got = ref.pixels().clone()
+        done = torch.cuda.Event()
+        done.record(reader)
+    ref.release(seen=True, after=done)
+    torch.cuda.synchronize()
+    assert torch.equal(got, src)
