@@ -328,6 +328,36 @@ def test_a_request_body_that_does_not_arrive_is_a_408(views):
 FD_LIMIT = 88  # what the probe of issue 21 used: 300 slow clients then stopped the view and the control socket
 
 
+def test_refused_connections_are_reported_at_most_every_report_interval(monkeypatch, caplog):
+    """The aggregate line itself, on a fake clock: refusals every second for 35 s give one line per
+    REPORT_EVERY_S (the flood test above lasts too little to see a second line), each with the count since
+    the last; none while nothing changes."""
+    from types import SimpleNamespace
+
+    from engine.config import ViewConfig
+    from engine.view import server as view_server
+
+    clock = [1000.0]
+    monkeypatch.setattr(view_server.time, "monotonic", lambda: clock[0])
+    srv = view_server.ViewServer(SimpleNamespace(view=None), ViewConfig())
+    refused = [0]
+    monkeypatch.setattr(srv, "connection_counts", lambda: {"refused": refused[0], "timed_out": 0, "internal_errors": 0,
+                                                            "http_errors": 0, "cap": 64, "open": 0})
+    caplog.set_level(logging.INFO, "vidar.view")
+    for _ in range(35):
+        refused[0] += 3
+        srv._report()
+        clock[0] += 1.0
+    for _ in range(30):  # quiet: nothing to say
+        srv._report()
+        clock[0] += 1.0
+    lines = [r.getMessage() for r in caplog.records if "connections refused" in r.getMessage()]
+    counts = [int(line.split("report: ")[1].split()[0]) for line in lines]
+    # t=0 (the first), 10, 20, 30 (30 each: 10 s of refusals), then once at 40 for those of 31-34; never again
+    assert REPORT_EVERY_S == 10 and counts == [3, 30, 30, 30, 12], lines
+    assert sum(counts) == refused[0]  # nothing lost from the counts
+
+
 def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
     """`vidar run` (uvloop, the runtime's control socket) with RLIMIT_NOFILE at 88, then 300 clients that
     hold partial headers: the control socket answers throughout, the view answers once the cap's slow
@@ -346,7 +376,7 @@ def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
         resource.setrlimit(resource.RLIMIT_NOFILE, (FD_LIMIT, FD_LIMIT))  # raises its soft limit to the hard one
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=low_fd_limit)
-    slow, t_start = Slow(), time.monotonic()
+    slow = Slow()
     if not wait_for(lambda: _answers(ctl, 1.0), 60, step=0.2):
         proc.kill()
         pytest.fail(f"vidar run did not start under RLIMIT_NOFILE={FD_LIMIT}: {proc.communicate()[1][-3000:]}")
@@ -371,9 +401,13 @@ def test_view_and_control_answer_through_a_flood_under_a_low_fd_limit(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "Too many open files" not in err, err[-3000:]
     assert "view: at most" in err and f"the file descriptor limit (RLIMIT_NOFILE) is {FD_LIMIT}" in err, err[-3000:]
-    lines = err.count("connections refused at the cap of")  # in aggregate: REPORT_EVERY_S apart at least
-    # one line per refused connection would be well over a hundred here
-    assert 1 <= lines <= min(10, 1 + (time.monotonic() - t_start) / REPORT_EVERY_S), err[-3000:]
+    # in aggregate: one line per refused connection would be well over a hundred here; and the lines are
+    # REPORT_EVERY_S apart at least, read from their own HH:MM:SS stamps (so 1 s less for the rounding)
+    stamps = [line.split()[0] for line in err.splitlines() if "connections refused at the cap of" in line]
+    assert 1 <= len(stamps) <= 10, err[-3000:]
+    secs = [int(h) * 3600 + int(m) * 60 + int(x) for h, m, x in (t.split(":") for t in stamps)]
+    gaps = [(b - a) % 86400 for a, b in zip(secs, secs[1:])]
+    assert all(g >= REPORT_EVERY_S - 1 for g in gaps), (gaps, err[-3000:])
 
 
 def _timed(fn) -> float:
