@@ -178,24 +178,18 @@ def part_preprocess() -> None:
     emit("preprocess", batch=n, size=f"{f.width}x{f.height}", **r)
 
 
-def _endpoint() -> str:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
 def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: int, budget_ms: float) -> dict:
     """The engine on n streams of the clip (live: looped at its 60 fps; offline: once each), ViT-L
     random, graphs on; counts over `seconds` after `warm_s` (live), or to the end (offline)."""
     from engine.config import build_config
     from engine.core.engine import Engine
+    from engine.testing.net import free_endpoint
     path = clip()
     streams = [{"id": f"s{i}", "url": str(path), "mode": mode, "loop": mode == "live"} for i in range(n)]
     cfg, _ = build_config({
         "streams": streams,
         "models": {"classify": {"name": VIT, "weights": "random", "max_batch": max_batch, "device": DEVICE}},
-        "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": _endpoint()},
+        "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": free_endpoint()},
         "ring": {"min_slots": 2, "max_slots": 8}, "metrics": {"enabled": False}, "control": {"enabled": False},
         "view": {"enabled": False}}, cuda_available=True)
     eng = Engine(cfg)

@@ -158,8 +158,9 @@ class FrameRing:
         uint8 NV12 tensor on a GPU (NVDEC) with `ready`, the CUDA event after which it is valid. Returns
         False if the ring was closed (the frame was then never ingested). Counts the frame as ingested.
         Live: never blocks. Offline: waits for a free slot."""
-        with self._cond:
-            self._choose_storage(frame)
+        if not self._storage_chosen:  # once: the ring's lock is the pool's ledger lock, hot on every frame
+            with self._cond:
+                self._choose_storage(frame)
         try:
             h, w = self._storage.frame_size(frame)
         except ValueError as err:

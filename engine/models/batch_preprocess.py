@@ -149,6 +149,16 @@ class _Staging:
         return out
 
 
+def scatter_rows(out: torch.Tensor, rows: Sequence[int], x: torch.Tensor) -> None:
+    """out[rows[k]] = x[k], copied run by run of consecutive rows with slices: device-to-device copies, where
+    an index list would first be uploaded from pageable host memory (a blocking copy)."""
+    start = 0
+    for k in range(1, len(rows) + 1):
+        if k == len(rows) or rows[k] != rows[k - 1] + 1:  # the end of a run
+            out[rows[start]:rows[k - 1] + 1] = x[start:k]
+            start = k
+
+
 class BatchPreprocessor:
     """Frames -> one normalised (N, C, h, w) batch on `device`, in `dtype`, in input order.
 
@@ -199,8 +209,7 @@ class BatchPreprocessor:
     def _in_order(self, results: list[torch.Tensor], groups: list[list[int]], n: int) -> torch.Tensor:
         """The groups' outputs as one batch in input order (no copy when there is one group).
 
-        Copied run by run (consecutive indices of a group) with slices: device-to-device copies, where an
-        index tensor would need a blocking host -> device copy."""
+        Copied run by run (scatter_rows)."""
         if len(results) == 1:
             return results[0]  # one group holds every frame, in order
         size = results[0].shape[1:]
@@ -209,11 +218,7 @@ class BatchPreprocessor:
             if y.shape[1:] != size:
                 raise ValueError(f"the contract's steps gave outputs of {tuple(size)} and {tuple(y.shape[1:])} "
                                  f"for frames of different sizes: its geometry must end in a fixed size (a crop)")
-            start = 0
-            for j in range(1, len(idx) + 1):
-                if j == len(idx) or idx[j] != idx[j - 1] + 1:  # the end of a run
-                    out[idx[start]:idx[j - 1] + 1] = y[start:j]
-                    start = j
+            scatter_rows(out, idx, y)
         return out
 
     def _check(self, frames: Sequence[torch.Tensor], fmt: str,

@@ -20,7 +20,7 @@ from engine.config import ClassifyConfig
 from engine.errors import ConfigError
 from engine.models.base import ModelRunner, time_batches
 from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, HostCopy, default_sizes
-from engine.models.batch_preprocess import BatchPreprocessor
+from engine.models.batch_preprocess import BatchPreprocessor, scatter_rows
 from engine.models.preprocess import InputContract, Preprocessor
 from engine.models.weights import fetch_pretrained, load_strict, read_state_dict
 from engine.models.device import resolve_device, resolve_dtype
@@ -147,8 +147,8 @@ class ClassifierRunner(ModelRunner):
                 return x
             rgb = [i for i in range(len(frames)) if i not in set(nv12)]
             out = torch.empty((len(frames), *x.shape[1:]), dtype=x.dtype, device=x.device)
-            _scatter_rows(out, nv12, x)  # slices, not a host index list (that would be a blocking upload)
-            _scatter_rows(out, rgb, self._rgb([frames[i].pixels() for i in rgb]))
+            scatter_rows(out, nv12, x)
+            scatter_rows(out, rgb, self._rgb([frames[i].pixels() for i in rgb]))
             return out
 
     def _rgb(self, pixels: list[torch.Tensor]) -> torch.Tensor:
@@ -269,13 +269,3 @@ def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int, live: bool) -> tup
     cuda = resolve_device(cfg.device, f"{KEY}.device").type == "cuda"
     plan = plan_classify(cores=cores, pools=pools, cuda=cuda, live=live, workers=cfg.workers, threads=cfg.threads)
     return cfg.model_copy(update={"workers": plan.workers, "threads": plan.threads}), plan
-
-
-def _scatter_rows(out: torch.Tensor, rows: list[int], x: torch.Tensor) -> None:
-    """out[rows[k]] = x[k], copied run by run of consecutive rows with slices (device-to-device copies; an
-    index list would first be uploaded from pageable host memory, a blocking copy)."""
-    start = 0
-    for k in range(1, len(rows) + 1):
-        if k == len(rows) or rows[k] != rows[k - 1] + 1:
-            out[rows[start]:rows[k - 1] + 1] = x[start:k]
-            start = k

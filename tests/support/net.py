@@ -1,11 +1,8 @@
-"""Ports for tests: a free TCP port on 127.0.0.1 (for the publisher, the control socket, the view, servers)."""
+"""Ports for tests: a free TCP port on 127.0.0.1 (for the publisher, the control socket, the view, servers).
+Shared with the benchmarks through engine/testing/net.py."""
 
 from __future__ import annotations
 
-import socket
+from engine.testing.net import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]
