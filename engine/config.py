@@ -11,12 +11,13 @@ import copy
 import logging
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine.errors import ConfigError
+from engine.sched.batch_size import AUTO_CEILING
 
 log = logging.getLogger("vidar.config")
 
@@ -105,8 +106,10 @@ class ClassifyConfig(_Strict):
     """Any timm image classifier (ViTs, ConvNets, ...)."""
     weights: str = "pretrained"
     """pretrained (timm download; needs internet) | random (warned, marked) | path to a state_dict."""
-    max_batch: int = Field(8, ge=1, le=256)
-    """Largest batch the scheduler forms."""
+    max_batch: Union[int, Literal["auto"]] = 8
+    """Largest batch the scheduler forms. `auto`: chosen at start from the pool's measured batch times (1,
+    2, 4, ... up to 64, graphs included): the largest batch that runs twice within budget.latency_ms (a frame
+    may wait for the batch ahead of it), logged with the times (engine/sched/batch_size.py)."""
     topk: int = Field(5, ge=1, le=1000)
     """Classes per result, as [class_index, label, probability]."""
     embedding: bool = False
@@ -131,6 +134,14 @@ class ClassifyConfig(_Strict):
     graph_batch_sizes: Optional[list[int]] = None
     """Batch sizes to capture, each in [1, max_batch]. Unset: 1, 2, 4, 8, ... up to max_batch, and max_batch."""
 
+    @field_validator("max_batch", mode="before")
+    @classmethod
+    def _batch_or_auto(cls, v: Any) -> Any:
+        # one message for both forms (a Union's own errors name each member: `max_batch.constrained-int`)
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 256):
+            return v
+        raise ValueError(f"must be an integer batch size in [1, 256] or `auto`, got {v!r}")
+
     @field_validator("graph_batch_sizes")
     @classmethod
     def _sizes_ok(cls, v: Optional[list[int]]) -> Optional[list[int]]:
@@ -140,10 +151,15 @@ class ClassifyConfig(_Strict):
 
     @model_validator(mode="after")
     def _sizes_within_batch(self) -> "ClassifyConfig":
-        if self.graph_batch_sizes and max(self.graph_batch_sizes) > self.max_batch:
+        if self.graph_batch_sizes and max(self.graph_batch_sizes) > self.batch_ceiling:
             raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has a size over max_batch "
-                             f"({self.max_batch}): drop it or raise max_batch")
+                             f"({self.max_batch}, at most {self.batch_ceiling}): drop it or raise max_batch")
         return self
+
+    @property
+    def batch_ceiling(self) -> int:
+        """max_batch, or with `auto` the largest size the start-up sweep may choose."""
+        return AUTO_CEILING if self.max_batch == "auto" else self.max_batch
 
 
 class Sam2Config(_Strict):
@@ -276,9 +292,12 @@ class RingConfig(_Strict):
     memory_mb: float = Field(64.0, gt=0)
     """Frame memory per stream; slots = memory / frame size, clamped to [min_slots, max_slots]."""
     min_slots: int = Field(4, ge=2)
-    """At least this many slots (must exceed max_batch so decode and inference overlap)."""
+    """At least this many slots (one is the decoder's while the others wait or run)."""
     max_slots: int = Field(16, ge=2)
-    """At most this many slots (a live stream needs max_batch plus a few; more only buys decode-ahead)."""
+    """At most this many slots. A live stream holds the frames still within their deadline (at 60 fps and 17 ms,
+    2 waiting and 2 running) plus the one being decoded; more only buys decode-ahead for offline streams. A
+    cross-stream batch takes up to max_slots - 1 frames of each stream (the start log warns when a pool's
+    streams cannot fill its max_batch)."""
     max_frame_pixels: int = Field(8192 * 8192, gt=0)
     """Frames larger than this are rejected before any allocation."""
     total_memory_mb: float | Literal["auto"] = "auto"
@@ -567,8 +586,9 @@ class EngineConfig(_Strict):
         return self
 
 
-def ring_shortfalls(cfg: "EngineConfig") -> list[str]:
+def ring_shortfalls(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
     """Pools whose configured streams cannot offer a full batch at once, as warnings for the start log.
+    `batches`: each pool's max_batch as the engine runs it (with `auto`, what the warm-up chose).
 
     A batch is formed across streams, and a stream offers at most `ring.max_slots - 1` frames at once
     (one slot stays free for its decoder): 48 streams feed a batch of 64 with 2 slots each. The old rule,
@@ -576,13 +596,13 @@ def ring_shortfalls(cfg: "EngineConfig") -> list[str]:
     few slots is not an error: batches are then smaller (the scheduler dispatches what is ready after
     budget.max_batch_wait_ms), so this is said, not refused. Streams added at run time are not counted."""
     out = []
-    for name, pool in cfg.models.configured().items():
+    for name, max_batch in batches.items():
         streams = [s for s in cfg.streams if s.pools is None or name in s.pools]
         offer = len(streams) * (cfg.ring.max_slots - 1)
-        if streams and offer < pool.max_batch:
+        if streams and offer < max_batch:
             out.append(f"pool {name}: its {len(streams)} stream(s) offer at most {offer} frames at once "
-                       f"(ring.max_slots - 1 = {cfg.ring.max_slots - 1} each), under models.{name}.max_batch "
-                       f"({pool.max_batch}): its batches will be smaller; raise ring.max_slots for full batches")
+                       f"(ring.max_slots - 1 = {cfg.ring.max_slots - 1} each), under its max_batch "
+                       f"({max_batch}): its batches will be smaller; raise ring.max_slots for full batches")
     return out
 
 

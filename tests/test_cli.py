@@ -69,6 +69,7 @@ def test_demo_runs_until_ctrl_c_and_prints_status():
     assert p.returncode == 0, err
     assert len(status) >= 2 and len(view) == 1, (status, err)  # make run says where to watch
     assert "out" in status[-1] and "p50" in status[-1] and "dropped:" in status[-1], status
+    assert "max_batch auto -> " in out + err, err  # the demo's batch size is chosen at start, and said
 
 
 def _start_error_cases(tmp_path):
@@ -158,3 +159,4 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     assert done == {"tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0}
     live = next(x for x in lines if x["part"] == "live")
     assert live["published"] > 0 and live["decode"]["device"] == "cpu"
+    assert live["max_batch"] >= 1 and "budget" in live["why"] and "1" in live["warmup_ms"]  # max_batch auto, said

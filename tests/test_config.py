@@ -23,8 +23,10 @@ def tree(**patch):
     ({"models__classify__nam": "x"}, r"models\.classify\.nam: unknown key; allowed here: .*max_batch.*name"),
     ({"budgett": {}}, r"budgett: unknown key"),
     ({"streams__0__mode": "realtime"}, r"streams\.0\.mode: Input should be 'live' or 'offline'"),
-    ({"models__classify__max_batch": 0}, r"models\.classify\.max_batch: Input should be greater than or equal to 1"),
-    ({"models__classify__max_batch": "eight"}, r"models\.classify\.max_batch: Input should be a valid integer"),
+    ({"models__classify__max_batch": 0}, r"models\.classify\.max_batch: must be an integer batch size in \[1, 256\] or `auto`, got 0"),
+    ({"models__classify__max_batch": "eight"}, r"models\.classify\.max_batch: must be an integer .* or `auto`, got 'eight'"),
+    ({"models__classify__max_batch": "auto", "models__classify__graph_batch_sizes": [1, 128]},
+     r"graph_batch_sizes \[1, 128\] has a size over max_batch \(auto, at most 64\)"),
     ({"budget__latency_ms": -5}, r"budget\.latency_ms: Input should be greater than 0"),
     ({"source__stall_timeout_s": -1}, r"source\.stall_timeout_s: Input should be greater than 0"),
     ({"source__open_timeout_s": 0}, r"source\.open_timeout_s: Input should be greater than 0"),
@@ -119,7 +121,7 @@ def test_set_overrides_and_on_cpu():
 @pytest.mark.parametrize("text, message", [
     ("models.classify.max_batch", "expected KEY=VALUE"),
     ("streams.3.mode=live", "not an index of a list of 1"),
-    ("models.classify.max_batch=zero", r"models\.classify\.max_batch: Input should be a valid integer"),
+    ("models.classify.max_batch=zero", r"models\.classify\.max_batch: must be an integer batch size .* got 'zero'"),
     ("models.classify.bogus=1", r"models\.classify\.bogus: unknown key"),
 ])
 def test_bad_overrides(text, message):
@@ -164,9 +166,9 @@ def test_a_ring_too_small_for_a_full_batch_is_said_at_start_not_refused(streams,
     cfg, _ = build_config({"streams": [{"id": f"s{i}", "url": "synthetic://shapes"} for i in range(streams)],
                            "models": {"classify": {"max_batch": 8}},
                            "ring": {"min_slots": 2, "max_slots": max_slots}})
-    said = ring_shortfalls(cfg)
+    said = ring_shortfalls(cfg, {"classify": cfg.models.classify.max_batch})
     assert bool(said) == warned
     if warned:
         assert said == [f"pool classify: its {streams} stream(s) offer at most {streams * (max_slots - 1)} frames at "
-                        f"once (ring.max_slots - 1 = {max_slots - 1} each), under models.classify.max_batch (8): its "
+                        f"once (ring.max_slots - 1 = {max_slots - 1} each), under its max_batch (8): its "
                         "batches will be smaller; raise ring.max_slots for full batches"]

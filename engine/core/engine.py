@@ -71,8 +71,6 @@ class Engine:
             raise ConfigError(exposed)
         if cfg.security.allow_insecure_bind and (warning := exposure_warning(cfg)):
             log.warning("%s", warning)
-        for warning in ring_shortfalls(cfg):
-            log.warning("%s", warning)
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
                                lambda: {name: p.qos.state() for name, p in self.pools.items()})
@@ -102,9 +100,12 @@ class Engine:
             spec = build_pool(name, pcfg, self._injected.get(name), self._factories.get(name))
             spec.plan = plan
             pool = Pool(spec, publisher=self.publisher, faults=cfg.faults, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
-                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos)
+                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos,
+                        budget_s=cfg.budget.latency_ms / 1e3)
             pool.warmup()
             self.pools[name] = pool
+        for warning in ring_shortfalls(cfg, {name: p.scheduler.max_batch for name, p in self.pools.items()}):
+            log.warning("%s", warning)
         if cfg.publish.min_subscribers:
             log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,
                      cfg.publish.min_subscribers, self.publisher.endpoint)

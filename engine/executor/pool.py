@@ -15,6 +15,7 @@ pool's in-flight count is counted, not derived (see accounting.py).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import Counter
 from typing import Callable, Optional
@@ -26,6 +27,7 @@ from engine.executor.messages import Batch
 from engine.executor.worker_thread import WorkerThread
 from engine.sched.faults import FaultPolicy
 from engine.frames.lifecycle import DropReason, FailReason
+from engine.sched.batch_size import SWEEP_REPEATS, BatchChoice, candidate_sizes, choose_max_batch, stop_sweep
 from engine.sched.latency import LatencyModel
 from engine.publish.metrics import Metrics
 from engine.executor.output_stage import OutputStage
@@ -44,9 +46,15 @@ log = logging.getLogger("vidar.pool")
 class Pool:
     def __init__(self, spec: PoolSpec, *, publisher: Publisher, faults: FaultsConfig, max_wait_s: float,
                  credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic, qos: Optional[QosConfig] = None):
+                 clock: Callable[[], float] = time.monotonic, qos: Optional[QosConfig] = None,
+                 budget_s: Optional[float] = None):
+        """`budget_s`: the engine's latency budget, which `max_batch: auto` chooses the batch size for."""
         if not spec.models:
             raise ValueError(f"pool {spec.name}: a pool needs at least one worker")
+        if spec.auto_batch and not budget_s:
+            raise ValueError(f"pool {spec.name}: max_batch auto needs the latency budget (budget_s)")
+        self._budget_s = budget_s
+        self.batch_choice: Optional[BatchChoice] = None  # with max_batch auto: what warm-up chose and why
         self.name, self.spec = spec.name, spec
         self.acct = Accounting(spec.name)
         self.scheduler = EdfScheduler(max_batch=spec.max_batch, latency=LatencyModel(), max_wait_s=max_wait_s)
@@ -70,18 +78,39 @@ class Pool:
 
     # -- start / stop -------------------------------------------------------------------------
     def warmup(self) -> None:
-        """Measure batch times under the workers' own thread count; they seed the scheduler."""
-        for b, seconds in self._warmup_times().items():
-            self.scheduler.update(b, seconds)
+        """Measure batch times under the workers' own thread count; they seed the scheduler. With
+        `max_batch: auto` the sizes 1, 2, 4, ... are measured until one does not fit the budget, and the
+        scheduler's max_batch becomes the largest that does (sched/batch_size.py)."""
+        if self.spec.auto_batch:
+            self._choose_batch()
+        else:
+            for b, seconds in self._warmup_times(sorted({1, self.scheduler.max_batch})).items():
+                self.scheduler.update(b, seconds)
         plan = self.spec.plan
         why = f" ({plan.why})" if plan is not None else ""
         log.info("pool %s: %d worker(s) x %s thread(s)%s; warm-up %s", self.name, len(self.slots.models),
                  self.spec.threads or "torch's", why,
                  ", ".join(f"b{b}={s * 1e3:.1f}ms" for b, s in self.scheduler.latency.measured().items()))
+        if self.batch_choice is not None:
+            log.info("pool %s: max_batch auto -> %d: %s", self.name, self.batch_choice.max_batch, self.batch_choice.why)
 
-    def _warmup_times(self) -> dict[int, float]:
+    def _choose_batch(self) -> None:
+        latency, swept, seeded = self.scheduler.latency, [], set()
+        for b in candidate_sizes(self.spec.max_batch):
+            runs = [self._warmup_times([b]) for _ in range(SWEEP_REPEATS)]
+            # a graphed runner also reports every smaller size (at its padded cost): each seeds the model once
+            for size in sorted(set(runs[0]) - seeded):
+                self.scheduler.update(size, statistics.median(r[size] for r in runs))
+                seeded.add(size)
+            swept.append(b)
+            if stop_sweep(latency.estimate(b), self._budget_s):
+                break
+        self.batch_choice = choose_max_batch(latency.estimate, swept, self._budget_s)
+        self.scheduler.max_batch = self.batch_choice.max_batch
+
+    def _warmup_times(self, sizes: list[int]) -> dict[int, float]:
         with intra_op_threads(self.spec.threads):
-            return self.slots.models[0].warmup(sorted({1, self.scheduler.max_batch}))
+            return self.slots.models[0].warmup(sizes)
 
     def start(self) -> None:
         self.slots.start()

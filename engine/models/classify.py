@@ -116,7 +116,7 @@ class ClassifierRunner(ModelRunner):
         self._host = HostCopy() if self.device.type == "cuda" else None
         self.graphs: GraphDispatcher | None = None  # captured at warm-up (capture_graphs)
         if cfg.cuda_graphs and (graph_backend is not None or self.device.type == "cuda"):
-            self.graphs = GraphDispatcher(self._eager_forward, cfg.graph_batch_sizes or default_sizes(cfg.max_batch),
+            self.graphs = GraphDispatcher(self._eager_forward, cfg.graph_batch_sizes or default_sizes(cfg.batch_ceiling),
                                           backend=graph_backend or CudaGraphBackend(self.device), key=KEY)
         elif self.device.type == "cuda":
             log.info("%s: cuda_graphs is off: every batch runs eager", KEY)
@@ -261,7 +261,7 @@ def build_pool(cfg: ClassifyConfig, *, models: list[ModelRunner] | None = None,
                 log.warning("%s: a rebuilt instance runs eager (%s)", KEY, runner.graphs.eager_reason)
             return runner
         factory = factory or rebuilt
-    return PoolSpec("classify", models, factory, cfg.max_batch, cfg.threads)
+    return PoolSpec("classify", models, factory, cfg.batch_ceiling, cfg.threads, auto_batch=cfg.max_batch == "auto")
 
 
 def auto_plan(cfg: ClassifyConfig, *, cores: int, pools: int, live: bool) -> tuple[ClassifyConfig, ThreadPlan]:

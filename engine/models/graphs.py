@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from engine.sched.batch_size import candidate_sizes
+
 log = logging.getLogger("vidar.graphs")
 
 #: what a captured function returns: a tensor, or a tuple/list of tensors and None (classify: logits, embedding)
@@ -36,17 +38,9 @@ _CAPTURE_LOCK = threading.Lock()
 
 
 def default_sizes(max_batch: int) -> list[int]:
-    """1, 2, 4, 8, ... up to `max_batch`, and `max_batch` (ClassifyConfig.graph_batch_sizes unset).
-
-    Powers of two keep the padding under 2x with log2(max_batch) graphs; vLLM pads the same way.
-    """
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    sizes, b = [], 1
-    while b < max_batch:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch]
+    """1, 2, 4, 8, ... up to `max_batch`, and `max_batch` (ClassifyConfig.graph_batch_sizes unset): the
+    sizes an auto max_batch sweep measures too (engine/sched/batch_size.py says why powers of two)."""
+    return candidate_sizes(max_batch)
 
 
 class GraphBackend(Protocol):

@@ -23,13 +23,14 @@ class PoolSpec:
     name: str
     models: list[ModelRunner]
     factory: Optional[Callable[[], ModelRunner]]   # a fresh instance after a failure (shares the model)
-    max_batch: int
+    max_batch: int                            # the largest batch; with auto_batch, the most the sweep may choose
     threads: Optional[int] = None             # intra-op threads per worker on the CPU
     processor: Optional[PostProcessor] = None  # run on the pool's output thread
     output_threads: Optional[int] = None      # intra-op threads of the output thread (SAM 2's tracking stage)
     levels: list[str] = field(default_factory=list)  # the family's quality levels, best first (ladder rungs)
     level_costs: list[float] = field(default_factory=list)  # relative cost of each level (level 0: 1.0)
     plan: Optional[ThreadPlan] = None         # chosen by auto_plan (None: injected workers or no plan)
+    auto_batch: bool = False                  # max_batch: auto: the pool's warm-up chooses (sched/batch_size.py)
 
 
 def instances(make: Callable[..., ModelRunner], n: int) -> tuple[list[ModelRunner], Callable[[], ModelRunner]]:

@@ -361,3 +361,10 @@ def test_cuda_backend_warms_up_on_a_side_stream_then_captures_there_thread_local
     assert calls == [("wait", "side", "current"), ("on", "side"), ("fn",), ("fn",),
                      ("capture", "pool", "side", "thread_local"), ("fn",), ("wait", "current", "side"), ("replay",)]
     assert torch.equal(out, torch.full((2,), 2.0))
+
+
+def test_max_batch_auto_captures_up_to_the_sweep_ceiling(model):
+    """With `max_batch: auto` the warm-up may choose any size up to 64, so graphs are captured up to there
+    (the pool's sweep then measures them, tests/sched/test_batch_size.py)."""
+    w = runner(model, FakeBackend(), max_batch="auto")
+    assert w.graphs.wanted == (1, 2, 4, 8, 16, 32, 64)
