@@ -17,7 +17,6 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from engine.errors import ConfigError
-from engine.sched.batch_size import AUTO_CEILING
 
 log = logging.getLogger("vidar.config")
 
@@ -99,6 +98,10 @@ class QosConfig(_Strict):
     """Step up when the busy share the workers would have at the rung above stays below this..."""
     restore_after_s: float = Field(5.0, gt=0)
     """...for this long (with no load drops meanwhile)."""
+
+
+#: `max_batch: auto` measures batch sizes up to this (ClassifyConfig.batch_ceiling; engine/sched/batch_size.py)
+AUTO_CEILING = 64
 
 
 class ClassifyConfig(_Strict):

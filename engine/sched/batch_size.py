@@ -18,8 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-#: `max_batch: auto` measures sizes up to this (ClassifyConfig.batch_ceiling)
-AUTO_CEILING = 64
 #: runs per size in the sweep, the median kept: a stall on a shared machine (another process, a first call's
 #: one-time cost) only lengthens a run, and one such run (b1 1,384 ms against 42 ms, seen on our CPU machine
 #: while another process ran) would otherwise set max_batch to 1
