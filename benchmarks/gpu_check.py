@@ -14,6 +14,8 @@ crash loses only that part; the whole run stays under ~8 minutes. Parts:
   live        the engine, N live 720p60 H.264 streams (looped), ViT-L at 17 ms: goodput, p50/p99, drops
               by reason, for N = 1, 8, 16, 32, 48
   offline     8 file streams offline through the engine against the bare graph model at batch 64
+  sam2        SAM 2 against Meta's predictor (benchmarks/gpu_sam2.py): not in the default run, which fits one
+              device call; run it in a second call: `python3 benchmarks/gpu_check.py --only sam2`
 The dry run exercises the same code on the CPU with a tiny model, a small clip and small counts: it
 proves the script runs, nothing about the GPU paths.
 """
@@ -32,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.window import window_counts  # noqa: E402 (after the path)
 DRY = "--dry-run" in sys.argv[1:]
 # the dry run writes beside the temp files, never into benchmarks/results (which holds device runs only)
 OUT = Path(os.environ.get("OUT") or (Path(tempfile.gettempdir()) if DRY else ROOT / "benchmarks" / "results"))
@@ -213,23 +216,12 @@ def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: i
             pub = sum(s.published for s in snaps)
             return {"streams": n, "frames_per_s": round(pub / elapsed, 1), "published": pub,
                     "finished": eng.finished(), "start_s": round(started_s, 1), **chosen}
-        time.sleep(warm_s)
-        before = {i: acct.snapshot(i) for i in ids}
-        time.sleep(seconds)
-        after = {i: acct.snapshot(i) for i in ids}
+        counted = window_counts(acct, ids, warm_s=warm_s, seconds=seconds)
         described = eng.describe()
     finally:
         eng.stop()
-    ing = sum(after[i].ingested - before[i].ingested for i in ids)
-    pub = sum(after[i].published - before[i].published for i in ids)
-    drops: dict = {}
-    for i in ids:
-        for k, v in after[i].dropped.items():
-            drops[k] = drops.get(k, 0) + v - before[i].dropped.get(k, 0)
-    return {"streams": n, "budget_ms": budget_ms, "goodput": round(pub / max(ing, 1), 4), "ingested": ing,
-            "published": pub, "in_per_s": round(ing / seconds, 1), "dropped": drops,
-            "p50_ms": max(after[i].p50_ms for i in ids), "p99_ms": max(after[i].p99_ms for i in ids),
-            "decode": described[ids[0]].get("decode"), "start_s": round(started_s, 1), **chosen}
+    return {"streams": n, "budget_ms": budget_ms, **counted, "decode": described[ids[0]].get("decode"),
+            "start_s": round(started_s, 1), **chosen}
 
 
 def part_live() -> None:
@@ -251,9 +243,17 @@ def part_offline() -> None:
     emit("offline", **r, bare_graph_img_per_s=round(bare, 1), ratio=round(r["frames_per_s"] / bare, 3))
 
 
-# seconds per part: 470 in all, under the 8 minutes a device call may take after the wheels install
+def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engine runs are ~150 lines
+    from benchmarks.gpu_sam2 import part_sam2 as run
+    run(emit, clip=clip(), dry=DRY)
+
+
+# seconds per part: the data plane's 470 in all, under the 8 minutes a device call may take after the wheels
+# install; SAM 2 (issue 24) in a call of its own (`--only sam2`)
 PARTS = {"tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
-         "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60)}
+         "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
+         "sam2": (part_sam2, 300)}
+DEFAULT_PARTS = ["tests", "vit", "nvdec", "preprocess", "live", "offline"]
 
 
 def main() -> int:
@@ -261,6 +261,12 @@ def main() -> int:
     if args[:1] == ["--part"]:
         PARTS[args[1]][0]()
         return 0
+    # --only a,b: those parts; the dry run runs every part (each must keep working), the device run the data
+    # plane's unless told (SAM 2 needs a call of its own: the two do not fit one 10-minute call)
+    only = args[1].split(",") if args[:1] == ["--only"] and len(args) > 1 else (list(PARTS) if DRY else DEFAULT_PARTS)
+    unknown = [p for p in only if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"gpu_check: unknown part(s) {unknown}; parts: {', '.join(PARTS)}")
     OUT.mkdir(parents=True, exist_ok=True)
     LOG.unlink(missing_ok=True)
     import torch
@@ -269,7 +275,8 @@ def main() -> int:
     emit("start", dry_run=DRY, torch=torch.__version__,
          device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
     failed = []
-    for name, (_, box) in PARTS.items():
+    for name in only:
+        box = PARTS[name][1]
         t0 = time.perf_counter()
         cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name] + (["--dry-run"] if DRY else [])
         # its own process group: a part that outruns its box is killed with everything it started (pytest,

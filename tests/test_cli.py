@@ -156,7 +156,11 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
         (r.stdout[-2000:], r.stderr[-2000:])
     lines = [json.loads(x) for x in (tmp_path / "gpu_check_dry.jsonl").read_text().splitlines()]
     done = {x["name"]: x["rc"] for x in lines if x["part"] == "part_done"}
-    assert done == {"tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0}
+    assert done == {"tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0, "sam2": 0}
     live = next(x for x in lines if x["part"] == "live")
     assert live["published"] > 0 and live["decode"]["device"] == "cpu"
     assert live["max_batch"] >= 1 and "budget" in live["why"] and "1" in live["warmup_ms"]  # max_batch auto, said
+    sam2 = {x["part"]: x for x in lines if x["part"].startswith("sam2_")}
+    assert set(sam2) == {"sam2_meta", "sam2_fidelity", "sam2_offline", "sam2_live"}
+    assert sam2["sam2_fidelity"]["pairs"] > 0 and sam2["sam2_fidelity"]["iou_min"] is not None
+    assert sam2["sam2_offline"]["ms_per_stream_frame"] > 0 and sam2["sam2_live"]["published"] > 0

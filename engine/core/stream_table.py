@@ -311,7 +311,7 @@ class StreamTable:
         return all(e.eos_queued for e in self._entries.values())
 
     def _rgb_only_pools(self, pools: list[str]) -> list[str]:
-        """The pools among `pools` whose runners cannot read NV12 GPU slots (SAM 2, any pool on the CPU): a
+        """The pools among `pools` whose runners cannot read NV12 GPU slots (any pool on the CPU): a
         stream feeding one is decoded on the CPU, since its frames go into every pool's ring alike."""
         return [p for p in pools if not all(getattr(m, "accepts_nv12", False) for m in self._pools[p].spec.models)]
 

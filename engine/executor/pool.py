@@ -81,6 +81,8 @@ class Pool:
         """Measure batch times under the workers' own thread count; they seed the scheduler. With
         `max_batch: auto` the sizes 1, 2, 4, ... are measured until one does not fit the budget, and the
         scheduler's max_batch becomes the largest that does (sched/batch_size.py)."""
+        if self.spec.processor is not None:  # the family's output stage (SAM 2's tracking stage) first
+            self.spec.processor.warmup()
         if self.spec.auto_batch:
             self._choose_batch()
         else:

@@ -76,6 +76,10 @@ class PostProcessor(ABC):
     #: control ops this processor serves (e.g. add_object); the engine routes them here
     ops: tuple[str, ...] = ()
 
+    def warmup(self) -> None:
+        """Run once at start, before the pool's threads and any stream: pay one-time costs (allocations,
+        kernel selection) here rather than on the first camera frame."""
+
     def add_stream(self, stream: str) -> None:
         """A stream starts feeding the pool."""
 

@@ -268,3 +268,24 @@ class BatchPreprocessor:
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addcmul(self.shift, x, self.scale).to(self.dtype)
+
+
+def frames_input(frames: Sequence[Any], batch_pre: BatchPreprocessor,
+                 rgb: Callable[[list[torch.Tensor]], torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """A model's input from ring frames (FrameRefs), in order: NV12 frames (NVDEC's, in GPU slots) through
+    `batch_pre`, one op per group; RGB frames (host slots) through `rgb` (a runner's choice: the batched op
+    on a GPU, its Preprocessor otherwise), mixed in one batch when a pool's streams decode differently.
+    Returns (input, whether NV12 frames were read: then the slots are read by queued GPU work, and the
+    runner releases them on an event after it, ModelRunner.release_event)."""
+    nv12 = [i for i, f in enumerate(frames) if f.meta.pixel_format == "nv12"]
+    if not nv12:
+        return rgb([f.pixels() for f in frames]), False
+    x = batch_pre([frames[i].pixels() for i in nv12], "nv12", [frames[i].meta.colour for i in nv12])
+    if len(nv12) == len(frames):
+        return x, True
+    keep = set(nv12)
+    others = [i for i in range(len(frames)) if i not in keep]
+    out = torch.empty((len(frames), *x.shape[1:]), dtype=x.dtype, device=x.device)
+    scatter_rows(out, nv12, x)
+    scatter_rows(out, others, rgb([frames[i].pixels() for i in others]))
+    return out, True

@@ -20,7 +20,7 @@ from engine.config import ClassifyConfig
 from engine.errors import ConfigError
 from engine.models.base import ModelRunner, time_batches
 from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, HostCopy, default_sizes
-from engine.models.batch_preprocess import BatchPreprocessor, scatter_rows
+from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import InputContract, Preprocessor
 from engine.models.weights import fetch_pretrained, load_strict, read_state_dict
 from engine.models.device import resolve_device, resolve_dtype
@@ -136,20 +136,11 @@ class ClassifierRunner(ModelRunner):
                     ready = f.ready_event()
                     if ready is not None:
                         self.stream.wait_event(ready)
-            nv12 = [i for i, f in enumerate(frames) if f.meta.pixel_format == "nv12"]
+            x, read_nv12 = frames_input(frames, self.batch_pre, self._rgb)
             # only NV12 slots are read by queued GPU work; host RGB slots are read on the host before this
             # returns (the staging copy, or the CPU Preprocessor), so their release needs no event
-            self._slots_read_on_gpu = bool(nv12) and self.stream is not None
-            if not nv12:
-                return self._rgb([f.pixels() for f in frames])
-            x = self.batch_pre([frames[i].pixels() for i in nv12], "nv12", [frames[i].meta.colour for i in nv12])
-            if len(nv12) == len(frames):
-                return x
-            rgb = [i for i in range(len(frames)) if i not in set(nv12)]
-            out = torch.empty((len(frames), *x.shape[1:]), dtype=x.dtype, device=x.device)
-            scatter_rows(out, nv12, x)
-            scatter_rows(out, rgb, self._rgb([frames[i].pixels() for i in rgb]))
-            return out
+            self._slots_read_on_gpu = read_nv12 and self.stream is not None
+            return x
 
     def _rgb(self, pixels: list[torch.Tensor]) -> torch.Tensor:
         """Host RGB frames: on a GPU (fast), one staging copy per batch; otherwise today's Preprocessor

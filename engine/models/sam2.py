@@ -3,6 +3,7 @@ tracking stage (batched across every due (stream, object) pair). See sam2_tracke
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -13,11 +14,14 @@ from engine.util.request_fields import need
 from engine.errors import ControlError
 from engine.sched.tuning import ThreadPlan, usable_cores
 from engine.models.base import PostProcessor, ModelRunner, time_batches
+from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import Preprocessor
-from engine.models.device import resolve_device
+from engine.models.device import resolve_device, resolve_dtype
 from engine.models.registry import FAMILY_OPS, PoolSpec
-from engine.models.sam2_model import KEY, build_sam2_model, resized_model, sam2_contract
+from engine.models.sam2_model import KEY, autocast, build_sam2_model, resized_model, sam2_contract
 from engine.models.sam2_tracker import TrackingStage, Prompt, encode, render, render_frame
+
+log = logging.getLogger("vidar.sam2")
 
 
 class Sam2EncoderRunner(ModelRunner):
@@ -40,6 +44,7 @@ class Sam2EncoderRunner(ModelRunner):
                  sized: dict[int, torch.nn.Module] | None = None):
         self.cfg = cfg
         self.device = resolve_device(cfg.device, f"{KEY}.device")
+        self.dtype = resolve_dtype(cfg.dtype, self.device, f"{KEY}.dtype")  # autocast; the weights stay float32
         if model is None:
             model, weights_tag = build_sam2_model(cfg.config, cfg.checkpoint, cfg.image_size, self.device)
         self.model, self.weights_tag = model, weights_tag or "random"
@@ -50,6 +55,11 @@ class Sam2EncoderRunner(ModelRunner):
         self.models = {self.model.image_size: self.model, **sized}
         self.pres = {s: Preprocessor(sam2_contract(s), cfg.preprocess, self.device) for s in self.sizes}
         self.pre = self.pres[self.model.image_size]
+        # NV12 frames (NVDEC's GPU slots) always, and on a GPU the host RGB frames of `fast` too: one batched op
+        # per frame size (batch_preprocess.py), host frames up through one pinned staging copy per batch
+        self.batch_pres = {s: BatchPreprocessor(sam2_contract(s), self.device) for s in self.sizes}
+        self.accepts_nv12 = self.device.type == "cuda"  # the batched op runs where the pixels are
+        self._slots_read_on_gpu = False
         self.level = 0
         self.wanted: Callable[[str], bool] = lambda stream: True  # set by build_pool: TrackingStage.wants_frames
 
@@ -60,25 +70,60 @@ class Sam2EncoderRunner(ModelRunner):
         self.level = level
 
     def prepare(self, frames: Sequence) -> tuple[list[int], int, torch.Tensor | None]:
+        """The encoder's input from the frames of streams with something to track. On a GPU the work is
+        queued on the current stream, which the tracking stage (the output thread) shares, so the features
+        reach it in order; that stream waits on each NV12 slot's write event, and NV12 slots are released on
+        the event `release_event` records after this work (the ring rewrites a slot only once it fired)."""
         keep = [i for i, f in enumerate(frames) if not self.skip_idle or self.wanted(f.meta.stream)]
-        size = self.sizes[self.level]
-        x = self.pres[size]([frames[i].pixels() for i in keep]) if keep else None
+        self._slots_read_on_gpu = False
+        if not keep:
+            return keep, len(frames), None
+        size, kept = self.sizes[self.level], [frames[i] for i in keep]
         if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # uploads done: the ring slots may be reused
+            stream = torch.cuda.current_stream(self.device)
+            for f in kept:
+                ready = f.ready_event()
+                if ready is not None:
+                    stream.wait_event(ready)
+        x, read_nv12 = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
+        self._slots_read_on_gpu = read_nv12 and self.device.type == "cuda"
         return keep, len(frames), x
+
+    def _rgb(self, pixels: list[torch.Tensor], size: int) -> torch.Tensor:
+        """Host RGB frames: on a GPU (fast), the batched op (one staging copy, read on the host before it
+        returns); otherwise the Preprocessor (exact: PIL as sam2's loader; fast on the CPU: uint8 tensor ops)."""
+        if self.device.type == "cuda" and self.cfg.preprocess == "fast":
+            return self.batch_pres[size](pixels, "rgb24")
+        x = self.pres[size](pixels)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # exact on a GPU: uploads done, the slots may be reused
+        return x
+
+    def release_event(self):
+        """After a prepare that read NV12 slots on the GPU: an event after everything queued so far on the
+        current stream. None otherwise: prepare has read the slots already."""
+        if not self._slots_read_on_gpu:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def infer(self, inputs: tuple[list[int], int, torch.Tensor | None]) -> list[dict]:
         keep, n, x = inputs
         out: list[dict] = [{"_features": None} for _ in range(n)]
         if x is not None:
-            for i, f in zip(keep, encode(self.models[x.shape[-1]], x)):
+            with autocast(self.device, self.dtype):
+                feats = encode(self.models[x.shape[-1]], x)
+            for i, f in zip(keep, feats):
                 out[i] = {"_features": f}
         return out
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         c, h, w = self.pre.data_config["input_size"]
-        return time_batches(lambda x: encode(self.model, x), lambda b: torch.randn(b, c, h, w, device=self.device),
-                            batch_sizes, self.device)
+        def run(x: torch.Tensor) -> list:
+            with autocast(self.device, self.dtype):
+                return encode(self.model, x)
+        return time_batches(run, lambda b: torch.randn(b, c, h, w, device=self.device), batch_sizes, self.device)
 
     def close(self) -> None:
         self.model = None
@@ -97,6 +142,10 @@ class Sam2PostProcessor(PostProcessor):
 
     def __init__(self, stage: TrackingStage):
         self.stage = stage
+
+    def warmup(self) -> None:
+        seconds = self.stage.warmup()
+        log.info("%s: tracking stage warmed up at input size(s) %s in %.2f s", KEY, sorted(self.stage.models), seconds)
 
     def add_stream(self, stream: str) -> None:
         self.stage.add_stream(stream)
@@ -240,7 +289,9 @@ def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
         models = [first] + [more() for _ in range(cfg.encoders - 1)]
         factory = factory or more
     main = models[0]
-    stage = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects)
+    device = resolve_device(cfg.device, f"{KEY}.device")
+    stage = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects,
+                          dtype=resolve_dtype(cfg.dtype, device, f"{KEY}.dtype"))
 
     def wire(w: ModelRunner) -> ModelRunner:
         if isinstance(w, Sam2EncoderRunner):

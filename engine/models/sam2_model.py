@@ -9,6 +9,7 @@ following it (size / 16).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -142,6 +143,14 @@ def resized_model(main: torch.nn.Module, config: str, image_size: int) -> torch.
     model.load_state_dict(main.state_dict(), strict=True, assign=True)
     device = next(main.parameters()).device
     return model.to(device).eval()
+
+
+def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """SAM 2 under autocast at `dtype` (Meta runs its predictor under bf16 autocast on a GPU, weights in
+    float32); float32: no autocast, every op as built."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=8)

@@ -3,8 +3,9 @@
 Per processed frame SAM 2 runs (a) the image encoder (see `Sam2EncoderRunner`), then per object
 (b) memory attention over the object's memory, (c) the mask decoder, (d) the memory encoder.
 Meta's `SAM2VideoPredictor` does (b)-(d) one object at a time and keeps every frame's outputs
-for ever. Here (b)-(d) run as one batched call for all due pairs whose memories have the same
-shape (at steady state: all of them), and each object keeps a bounded bank (sam2_memory.py).
+for ever. Here (b)-(d) run as one batched call for all due pairs at one input size: memories of
+different lengths (the first frames after a prompt) are padded and masked (sam2_attention.py), and each
+object keeps a bounded bank (sam2_memory.py).
 
 Frame indices are per-stream counts of *processed* frames: a frame dropped for its deadline
 never reaches the tracker, so it leaves no hole in the memory. Nor does a frame that was not
@@ -37,8 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.models.sam2_attention import memory_attention, pad_memories
 from engine.models.sam2_memory import FrameFeatures, Memory, ObjectBank, Prompt, PromptError, StreamTrack
-from engine.models.sam2_model import has_hole_filling
+from engine.models.sam2_model import autocast, has_hole_filling
 
 __all__ = ["TrackingStage", "FrameFeatures", "Memory", "ObjectBank", "Prompt", "PromptError", "StreamTrack",
            "encode", "render", "render_frame"]
@@ -70,15 +72,17 @@ class TrackingStage:
     """Memory attention + mask decoder + memory encoder for every due (stream, object) pair."""
 
     def __init__(self, model: torch.nn.Module, *, sized: Optional[dict[int, torch.nn.Module]] = None,
-                 max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS):
-        """model: SAM 2 at its configured input size; sized: the same weights built at other sizes."""
-        self.model = model
+                 max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS, dtype: torch.dtype = torch.float32):
+        """model: SAM 2 at its configured input size; sized: the same weights built at other sizes; dtype: the
+        autocast dtype of every step (bfloat16 on a GPU, as Meta runs it; results are float32 either way)."""
+        self.model, self.dtype = model, dtype
         self.models = {model.image_size: model, **(sized or {})}
         self.device = next(model.parameters()).device
         self.max_objects, self.max_attempts = max_objects, max_attempts
         self._streams: dict[str, StreamTrack] = {}
         self._pos_enc: dict[int, torch.Tensor] = {}  # per input size: maskmem_pos_enc[-1], the same every frame
         self.calls: deque = deque(maxlen=10_000)  # batch size of each batched mask-decoder call (tests, benchmarks)
+        self.padded_calls = 0  # batched calls whose memories differed in length (padded and masked)
         # seconds per batched call of each sub-stage, for benchmarks (bounded)
         self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
                                           for k in ("memory_attention", "mask_decoder", "memory_encoder")}
@@ -91,6 +95,32 @@ class TrackingStage:
     def add_stream(self, stream: str) -> None:
         self._streams.setdefault(stream, StreamTrack())
         self._refresh()
+
+    @torch.inference_mode()
+    def warmup(self, steps: int = 2) -> float:
+        """At every input size, one object through its prompt frame and `steps - 1` tracking steps on an
+        encoded blank frame: the first camera frame then pays no one-time cost (allocations, kernel
+        selection, and on a GPU cuDNN's autotuning). Nothing of it stays: the stream is removed, the
+        counters and events are as before. Returns the seconds it took."""
+        t0 = time.perf_counter()
+        stream, calls, padded = "\x00warmup", len(self.calls), self.padded_calls
+        for size, m in self.models.items():
+            with autocast(self.device, self.dtype):
+                feats = encode(m, torch.zeros(1, 3, size, size, device=self.device))[0]
+            self.add_stream(stream)
+            try:
+                self.add_object(stream, Prompt(0, box=[size // 4, size // 4, 3 * size // 4, 3 * size // 4]))
+                for _ in range(steps):
+                    self.step([(stream, feats, (size, size))])
+            finally:
+                self.remove_stream(stream)
+        self.events.clear()
+        while len(self.calls) > calls:
+            self.calls.pop()
+        self.padded_calls = padded
+        for lst in self.stage_s.values():
+            lst.clear()
+        return time.perf_counter() - t0
 
     def remove_stream(self, stream: str) -> None:
         self._streams.pop(stream, None)
@@ -180,8 +210,13 @@ class TrackingStage:
               ) -> tuple[list[list[dict]], list[tuple[str, str, str]]]:
         """Track every object of each given frame on the staged state. `frames`: (stream, features or None
         for a frame that was not encoded, (H, W)), at most one frame per stream per call. Returns per frame
-        a list sorted by object id of {id, logits (1, 1, h, w) low-res mask scores, score} or {id, error},
-        and the events to publish."""
+        a list sorted by object id of {id, logits (1, 1, h, w) float32 low-res mask scores, score} or
+        {id, error}, and the events to publish."""
+        with autocast(self.device, self.dtype):
+            return self._track_frames(staged, frames)
+
+    def _track_frames(self, staged: dict[str, StreamTrack], frames: list[tuple[str, FrameFeatures, tuple[int, int]]]
+                      ) -> tuple[list[list[dict]], list[tuple[str, str, str]]]:
         events: list[tuple[str, str, str]] = []
         due = self._due(staged, frames, events)
         results: dict[int, dict] = {}
@@ -241,9 +276,9 @@ class TrackingStage:
         return due
 
     def _track_groups(self, due: list[_Due]):
-        """(indices, outputs) per group of same-shaped memories: one batched call each; if it raises,
-        each object alone, so only the failing ones fail."""
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        """(indices, outputs) per input size: one batched call each, memories of different lengths padded
+        and masked (sam2_attention.py); if it raises, each object alone, so only the failing ones fail."""
+        groups: dict[int, list[int]] = {}
         gathered = {}
         for i, d in enumerate(due):
             if not d.starts:
@@ -252,7 +287,7 @@ class TrackingStage:
                 except Exception as err:
                     yield [i], [err]
                     continue
-                groups.setdefault((d.bank.image_size, gathered[i][0].shape[0], gathered[i][2]), []).append(i)
+                groups.setdefault(d.bank.image_size, []).append(i)
         for idxs in groups.values():
             try:
                 outs = self._track_batch([due[i] for i in idxs], [gathered[i] for i in idxs])
@@ -299,7 +334,7 @@ class TrackingStage:
                            current_vision_pos_embeds=f.vision_pos, feat_sizes=f.feat_sizes, point_inputs=point_inputs,
                            mask_inputs=mask_inputs, output_dict={"cond_frame_outputs": {}, "non_cond_frame_outputs": {}},
                            num_frames=NUM_FRAMES, run_mem_encoder=False)
-        masks = self._fill_holes(out["pred_masks"])
+        masks = self._fill_holes(out["pred_masks"].float())
         high = F.interpolate(masks, size=(m.image_size, m.image_size), mode="bilinear", align_corners=False)
         # the predictor encodes every frame the user prompted (points or mask) with is_mask_from_pts=True
         maskmem, pos = m._encode_new_memory(current_vision_feats=f.vision_feats, feat_sizes=f.feat_sizes,
@@ -308,7 +343,7 @@ class TrackingStage:
         self._remember_pos(pos, m.image_size)
         bank = ObjectBank(m.num_maskmem, m.max_obj_ptrs_in_encoder,
                           {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])}, m.image_size, masks)
-        return {"logits": masks, "score": out["object_score_logits"]}, bank
+        return {"logits": masks, "score": out["object_score_logits"].float()}, bank
 
     def _point_inputs(self, prompt: Prompt, size: tuple[int, int], image_size: int) -> dict:
         h, w = size
@@ -350,6 +385,15 @@ class TrackingStage:
         if image_size not in self._pos_enc:
             self._pos_enc[image_size] = pos[-1][0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
 
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """A few host numbers on the device without waiting: `torch.tensor(values, device="cuda")` copies
+        from pageable memory synchronously, i.e. waits until the GPU has run everything queued before it,
+        once per object per step (Meta's predictor does that); from pinned memory the copy is queued."""
+        host = torch.tensor(values)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
+
     def _gather(self, bank: ObjectBank, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One object's memory tokens, in SAM 2's order: cond frames, recent mask memories, pointers."""
         from sam2.modeling.sam2_utils import get_1d_sine_pe, select_closest_cond_frames
@@ -386,7 +430,7 @@ class TrackingStage:
             obj_ptrs = torch.stack(ptr_list, dim=0)  # (n, 1, C)
             if m.add_tpos_enc_to_obj_ptrs:
                 tpos_dim = C if m.proj_tpos_enc_in_obj_ptrs else m.mem_dim
-                obj_pos = get_1d_sine_pe(torch.tensor(pos_list, device=self.device) / (max_ptrs - 1), dim=tpos_dim)
+                obj_pos = get_1d_sine_pe(self._upload(pos_list) / (max_ptrs - 1), dim=tpos_dim)
                 obj_pos = m.obj_ptr_tpos_proj(obj_pos).unsqueeze(1).expand(-1, 1, m.mem_dim)
             else:
                 obj_pos = obj_ptrs.new_zeros(len(pos_list), 1, m.mem_dim)
@@ -408,12 +452,11 @@ class TrackingStage:
         sizes = feats[0].feat_sizes
         curr = torch.cat([f.vision_feats[-1] for f in feats], dim=1)  # (HW, B, C)
         curr_pos = torch.cat([f.vision_pos[-1] for f in feats], dim=1)
-        memory = torch.cat([g[0] for g in gathered], dim=1)
-        memory_pos = torch.cat([g[1] for g in gathered], dim=1)
         H, W = sizes[-1]
         t0 = time.perf_counter()
-        pix = m.memory_attention(curr=[curr], curr_pos=[curr_pos], memory=memory, memory_pos=memory_pos,
-                                 num_obj_ptr_tokens=gathered[0][2])
+        memory, memory_pos, n_ptr, key_mask = pad_memories(gathered, H * W)
+        self.padded_calls += key_mask is not None
+        pix = memory_attention(m.memory_attention, curr, curr_pos, memory, memory_pos, n_ptr, key_mask)
         pix = pix.permute(1, 2, 0).view(B, m.hidden_dim, H, W)
         high_res = [torch.cat([f.vision_feats[lvl] for f in feats], dim=1).permute(1, 2, 0).view(B, -1, *sizes[lvl])
                     for lvl in range(len(sizes) - 1)]
@@ -430,7 +473,7 @@ class TrackingStage:
         self.stage_s["memory_encoder"].append(t3 - t2)
         self._remember_pos(pos, m.image_size)
         maskmem = maskmem.to(torch.bfloat16)
-        filled = self._fill_holes(low)
+        filled, score = self._fill_holes(low.float()), score.float()
         return [{"logits": filled[i:i + 1], "score": score[i:i + 1], "memory": Memory(maskmem[i:i + 1], obj_ptr[i:i + 1])}
                 for i in range(len(items))]
 

@@ -31,21 +31,28 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
 
 
 def reference_masks(ckpt: Path, frames: list[np.ndarray], prompts: dict, workdir: Path, start: int = 0,
-                    timing: dict | None = None) -> dict:
+                    timing: dict | None = None, *, device: str = "cpu", image_size: int = SIZE,
+                    bf16: bool = False) -> dict:
     """Meta's SAM2VideoPredictor: init_state + add_new_points_or_box (at frame `start`) + propagate_in_video.
     prompts: {obj_id: {"box": [...]} or {"points": [[x, y, label], ...]}}. Returns {frame: {obj_id: bool mask}}.
-    timing: if given, gets "propagate_s", the seconds of propagate_in_video alone (frames preloaded)."""
+    timing: if given, gets "propagate_s", the seconds of propagate_in_video alone (frames preloaded), and
+    "frame_s", the seconds of each frame (the GPU synchronised at each). bf16: under bf16 autocast, as Meta
+    runs it on a GPU (its notebooks: `torch.autocast("cuda", dtype=torch.bfloat16)`)."""
+    import contextlib
+
     from sam2.build_sam import build_sam2_video_predictor
-    pred = build_sam2_video_predictor(config_path(CONFIG), ckpt_path=str(ckpt), device="cpu",
-                                      hydra_overrides_extra=size_overrides(SIZE))
+    pred = build_sam2_video_predictor(config_path(CONFIG), ckpt_path=str(ckpt), device=device,
+                                      hydra_overrides_extra=size_overrides(image_size))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    amp = torch.autocast(torch.device(device).type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     folder = workdir / "frames"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     for i, f in enumerate(frames):
         # The predictor only reads "<n>.jpg" folders; PNG data keeps the pixels exact (PIL reads by content).
         Image.fromarray(f).save(folder / f"{i:05d}.jpg", format="PNG")
-    out = {}
-    with warnings.catch_warnings():
+    out, frame_s = {}, []
+    with warnings.catch_warnings(), torch.inference_mode(), amp:
         warnings.simplefilter("ignore")
         state = pred.init_state(str(folder))
         for obj_id, p in prompts.items():
@@ -55,11 +62,16 @@ def reference_masks(ckpt: Path, frames: list[np.ndarray], prompts: dict, workdir
                 pts = p["points"]
                 pred.add_new_points_or_box(state, frame_idx=start, obj_id=obj_id, points=[q[:2] for q in pts],
                                            labels=[q[2] for q in pts])
-        t0 = time.perf_counter()
+        sync()
+        t0 = t = time.perf_counter()
         for fi, ids, masks in pred.propagate_in_video(state):
-            out[fi] = {oid: (masks[k, 0] > 0).numpy() for k, oid in enumerate(ids)}
+            out[fi] = {oid: (masks[k, 0] > 0).cpu().numpy() for k, oid in enumerate(ids)}
+            now = time.perf_counter()  # .cpu() above waited for the frame's GPU work
+            frame_s.append(now - t)
+            t = now
         if timing is not None:
             timing["propagate_s"] = time.perf_counter() - t0
+            timing["frame_s"] = frame_s
     return out
 
 

@@ -160,7 +160,7 @@ def test_one_offline_stream_with_fewer_slots_than_a_batch_still_delivers_every_f
 
 def test_a_streams_state_says_where_its_video_is_decoded_and_why(endpoint, clip48):
     """decode: auto (the default) decodes on the CPU where NVDEC cannot serve the stream, and says why: no
-    CUDA device, or a pool that reads RGB frames only (SAM 2, a pool on the CPU: NVDEC frames are NV12 in
+    CUDA device, or a pool that reads RGB frames only (a pool on the CPU: NVDEC frames are NV12 in
     GPU memory and go into every pool's ring alike); decode: cpu says so; decode: cuda into such a pool is
     refused, naming the pool."""
     import torch
