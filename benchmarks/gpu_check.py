@@ -38,10 +38,12 @@ from benchmarks.window import window_counts  # noqa: E402 (after the path)
 DRY = "--dry-run" in sys.argv[1:]
 # the dry run writes beside the temp files, never into benchmarks/results (which holds device runs only)
 OUT = Path(os.environ.get("OUT") or (Path(tempfile.gettempdir()) if DRY else ROOT / "benchmarks" / "results"))
-LOG = OUT / ("gpu_check_dry.jsonl" if DRY else "gpu_check.jsonl")
+# a part's subprocess writes where its parent does (main renames the log for --only)
+LOG = Path(os.environ.get("VIDAR_GPU_CHECK_LOG") or OUT / ("gpu_check_dry.jsonl" if DRY else "gpu_check.jsonl"))
 CLIP = ROOT / ".gpu" / "media" / "bbb720p60.mp4"  # benchmarks/gpu_media.py makes it
 GPU_TESTS = ["tests/models/test_gpu.py", "tests/models/test_graphs.py", "tests/models/test_batch_preprocess.py",
-             "tests/models/test_classify.py", "tests/frames/test_device_slots.py", "tests/streams/test_nvdec.py"]
+             "tests/models/test_classify.py", "tests/frames/test_device_slots.py", "tests/streams/test_nvdec.py",
+             "tests/models/test_sam2_gpu.py"]
 VIT = "test_vit" if DRY else "vit_large_patch16_224"
 DEVICE = "cpu" if DRY else "cuda"
 
@@ -252,22 +254,29 @@ def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engi
 # install; SAM 2 (issue 24) in a call of its own (`--only sam2`)
 PARTS = {"tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
          "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
-         "sam2": (part_sam2, 300)}
+         "sam2": (part_sam2, 420)}
 DEFAULT_PARTS = ["tests", "vit", "nvdec", "preprocess", "live", "offline"]
 
 
 def main() -> int:
+    global LOG
     args = [a for a in sys.argv[1:] if a != "--dry-run"]
-    if args[:1] == ["--part"]:
+    if args[:1] == ["--part"] and len(args) == 2 and args[1] in PARTS:
         PARTS[args[1]][0]()
         return 0
     # --only a,b: those parts; the dry run runs every part (each must keep working), the device run the data
     # plane's unless told (SAM 2 needs a call of its own: the two do not fit one 10-minute call)
-    only = args[1].split(",") if args[:1] == ["--only"] and len(args) > 1 else (list(PARTS) if DRY else DEFAULT_PARTS)
+    if args and not (args[0] == "--only" and len(args) == 2):
+        raise SystemExit(f"gpu_check: unknown arguments {args}; use [--dry-run] [--only PART,PART] "
+                         f"(parts: {', '.join(PARTS)})")
+    only = args[1].split(",") if args else (list(PARTS) if DRY else DEFAULT_PARTS)
     unknown = [p for p in only if p not in PARTS]
     if unknown:
         raise SystemExit(f"gpu_check: unknown part(s) {unknown}; parts: {', '.join(PARTS)}")
     OUT.mkdir(parents=True, exist_ok=True)
+    if args:  # a second call (--only sam2) must not overwrite the first's log in the same folder
+        LOG = LOG.with_name(LOG.stem + "_" + "-".join(only) + LOG.suffix)
+        os.environ["VIDAR_GPU_CHECK_LOG"] = str(LOG)
     LOG.unlink(missing_ok=True)
     import torch
     if not DRY and not torch.cuda.is_available():

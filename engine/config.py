@@ -104,7 +104,38 @@ class QosConfig(_Strict):
 AUTO_CEILING = 64
 
 
-class ClassifyConfig(_Strict):
+class _GraphKeys(_Strict):
+    """The CUDA-graph keys a pool's config shares (engine/models/graphs.py); the pool defines batch_ceiling."""
+
+    cuda_graphs: bool = True
+    """On a GPU: capture the model's forward (the classifier; SAM 2's image encoder at image_size) as CUDA graphs
+    at start, one per batch size in `graph_batch_sizes` (a batch runs in the next captured size up, padded),
+    eager when capture fails (the reason logged). Measured on an H200, ViT-L/16 bf16 batch 1: 1.39 ms replayed
+    vs 6-10 ms eager (launch-bound). Ignored on the CPU."""
+    graph_batch_sizes: Optional[list[int]] = None
+    """Batch sizes to capture, each in [1, max_batch]. Unset: 1, 2, 4, 8, ... up to max_batch, and max_batch."""
+
+    @property
+    def batch_ceiling(self) -> int:
+        raise NotImplementedError
+
+    @field_validator("graph_batch_sizes")
+    @classmethod
+    def _sizes_ok(cls, v: Optional[list[int]]) -> Optional[list[int]]:
+        if v is not None and (not v or any(b < 1 for b in v)):
+            raise ValueError(f"must be a non-empty list of batch sizes >= 1, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes_within_batch(self):
+        if self.graph_batch_sizes and max(self.graph_batch_sizes) > self.batch_ceiling:
+            limit = f"{self.max_batch}" + (f", at most {self.batch_ceiling}" if self.max_batch == "auto" else "")
+            raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has a size over max_batch "
+                             f"({limit}): drop it or raise max_batch")
+        return self
+
+
+class ClassifyConfig(_GraphKeys):
     name: str = "vit_large_patch16_224"
     """Any timm image classifier (ViTs, ConvNets, ...)."""
     weights: str = "pretrained"
@@ -129,14 +160,6 @@ class ClassifyConfig(_Strict):
     one-thread instances (throughput), live ones one instance with the pool's cores (latency); on a GPU 1."""
     threads: Optional[int] = Field(None, ge=1)
     """Intra-op threads per worker instance on the CPU. Default: chosen with `workers` (see there)."""
-    cuda_graphs: bool = True
-    """On a GPU: capture the model's forward as CUDA graphs at warm-up, one per batch size in
-    `graph_batch_sizes` (a batch runs in the next captured size up, padded), eager when capture fails
-    (the reason logged). Measured on an H200, ViT-L/16 bf16 batch 1: 1.39 ms replayed vs 6-10 ms eager
-    (launch-bound). Ignored on the CPU."""
-    graph_batch_sizes: Optional[list[int]] = None
-    """Batch sizes to capture, each in [1, max_batch]. Unset: 1, 2, 4, 8, ... up to max_batch, and max_batch."""
-
     @field_validator("max_batch", mode="before")
     @classmethod
     def _batch_or_auto(cls, v: Any) -> Any:
@@ -145,27 +168,13 @@ class ClassifyConfig(_Strict):
             return v
         raise ValueError(f"must be an integer batch size in [1, 256] or `auto`, got {v!r}")
 
-    @field_validator("graph_batch_sizes")
-    @classmethod
-    def _sizes_ok(cls, v: Optional[list[int]]) -> Optional[list[int]]:
-        if v is not None and (not v or any(b < 1 for b in v)):
-            raise ValueError(f"must be a non-empty list of batch sizes >= 1, got {v!r}")
-        return v
-
-    @model_validator(mode="after")
-    def _sizes_within_batch(self) -> "ClassifyConfig":
-        if self.graph_batch_sizes and max(self.graph_batch_sizes) > self.batch_ceiling:
-            raise ValueError(f"graph_batch_sizes {self.graph_batch_sizes} has a size over max_batch "
-                             f"({self.max_batch}, at most {self.batch_ceiling}): drop it or raise max_batch")
-        return self
-
     @property
     def batch_ceiling(self) -> int:
         """max_batch, or with `auto` the largest size the start-up sweep may choose."""
         return AUTO_CEILING if self.max_batch == "auto" else self.max_batch
 
 
-class Sam2Config(_Strict):
+class Sam2Config(_GraphKeys):
     config: str = "sam2.1_hiera_t"
     """Any config shipped in the sam2 package: sam2.1_hiera_t, _s, _b+, _l (and the sam2 ones)."""
     checkpoint: str = "pretrained"
@@ -201,6 +210,11 @@ class Sam2Config(_Strict):
     """Smaller encoder input sizes the engine may step down to under overload, e.g. [512, 256] for
     image_size 1024: each a multiple of 32 (and >= 128), strictly smaller than image_size, descending.
     Weights are shared; objects are carried over at the new size from their last mask. Empty: never."""
+
+    @property
+    def batch_ceiling(self) -> int:
+        """The largest encoder batch (graphs are captured up to it)."""
+        return self.max_batch
 
     @field_validator("degrade_sizes")
     @classmethod

@@ -20,6 +20,7 @@ import time
 from collections import Counter
 from typing import Callable, Optional
 
+from engine.errors import ConfigError
 from engine.frames.accounting import Accounting
 from engine.config import FaultsConfig, QosConfig
 from engine.frames.drop_log import DropLog
@@ -81,8 +82,11 @@ class Pool:
         """Measure batch times under the workers' own thread count; they seed the scheduler. With
         `max_batch: auto` the sizes 1, 2, 4, ... are measured until one does not fit the budget, and the
         scheduler's max_batch becomes the largest that does (sched/batch_size.py)."""
-        if self.spec.processor is not None:  # the family's output stage (SAM 2's tracking stage) first
-            self.spec.processor.warmup()
+        # the family's output stage (SAM 2's tracking stage) first; a processor that does not derive from
+        # PostProcessor (a plug-in's, a test's wrapper) may have no warm-up
+        warm = getattr(self.spec.processor, "warmup", None)
+        if warm is not None:
+            warm()
         if self.spec.auto_batch:
             self._choose_batch()
         else:
@@ -100,6 +104,9 @@ class Pool:
         latency, swept, seeded = self.scheduler.latency, [], set()
         for b in candidate_sizes(self.spec.max_batch):
             runs = [self._warmup_times([b]) for _ in range(SWEEP_REPEATS)]
+            if any(b not in r for r in runs):  # nothing to choose from: an estimate of 0 would pick the ceiling
+                raise ConfigError(f"models.{self.name}.max_batch: auto, but the pool's model reports no time for "
+                                  f"batch {b} at warm-up: set a number")
             # a graphed runner also reports every smaller size (at its padded cost): each seeds the model once
             for size in sorted(set(runs[0]) - seeded):
                 self.scheduler.update(size, statistics.median(r[size] for r in runs))

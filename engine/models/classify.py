@@ -105,7 +105,8 @@ class ClassifierRunner(ModelRunner):
         self.batch_pre = BatchPreprocessor(contract, self.device, self.dtype)
         self._slots_read_on_gpu = False  # the last prepare queued GPU work that reads NV12 slots
         # NVDEC's NV12 slots are read here only on a GPU (the batched op runs where the pixels are)
-        self.accepts_nv12 = self.device.type == "cuda"
+        # (`exact` promises timm's PIL transform of RGB frames, so it keeps them)
+        self.accepts_nv12 = self.device.type == "cuda" and cfg.preprocess == "fast"
         self.topk = min(cfg.topk, self.model.num_classes)
         # One CUDA stream per instance, so instances sharing the GPU overlap uploads and compute.
         # High priority: torch hands out streams round-robin from a pool of 32 per priority, which 48 decoders
@@ -136,11 +137,12 @@ class ClassifierRunner(ModelRunner):
                     ready = f.ready_event()
                     if ready is not None:
                         self.stream.wait_event(ready)
-            x, read_nv12 = frames_input(frames, self.batch_pre, self._rgb)
             # only NV12 slots are read by queued GPU work; host RGB slots are read on the host before this
-            # returns (the staging copy, or the CPU Preprocessor), so their release needs no event
-            self._slots_read_on_gpu = read_nv12 and self.stream is not None
-            return x
+            # returns (the staging copy, or the CPU Preprocessor), so their release needs no event. Set before
+            # reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots are
+            # still released on an event after those reads.
+            self._slots_read_on_gpu = self.stream is not None and any(f.meta.pixel_format == "nv12" for f in frames)
+            return frames_input(frames, self.batch_pre, self._rgb)[0]
 
     def _rgb(self, pixels: list[torch.Tensor]) -> torch.Tensor:
         """Host RGB frames: on a GPU (fast), one staging copy per batch; otherwise today's Preprocessor

@@ -19,7 +19,8 @@ from engine.models.preprocess import Preprocessor
 from engine.models.device import resolve_device, resolve_dtype
 from engine.models.registry import FAMILY_OPS, PoolSpec
 from engine.models.sam2_model import KEY, autocast, build_sam2_model, resized_model, sam2_contract
-from engine.models.sam2_tracker import TrackingStage, Prompt, encode, render, render_frame
+from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, default_sizes
+from engine.models.sam2_tracker import TrackingStage, Prompt, backbone, encode, render, render_frame
 
 log = logging.getLogger("vidar.sam2")
 
@@ -41,7 +42,8 @@ class Sam2EncoderRunner(ModelRunner):
     skip_idle = True
 
     def __init__(self, cfg: Sam2Config, *, model: torch.nn.Module | None = None, weights_tag: str | None = None,
-                 sized: dict[int, torch.nn.Module] | None = None):
+                 sized: dict[int, torch.nn.Module] | None = None, graph_backend: GraphBackend | None = None):
+        """`graph_backend` replaces the CUDA one (tests drive the graphed encoder on the CPU with a fake)."""
         self.cfg = cfg
         self.device = resolve_device(cfg.device, f"{KEY}.device")
         self.dtype = resolve_dtype(cfg.dtype, self.device, f"{KEY}.dtype")  # autocast; the weights stay float32
@@ -58,8 +60,16 @@ class Sam2EncoderRunner(ModelRunner):
         # NV12 frames (NVDEC's GPU slots) always, and on a GPU the host RGB frames of `fast` too: one batched op
         # per frame size (batch_preprocess.py), host frames up through one pinned staging copy per batch
         self.batch_pres = {s: BatchPreprocessor(sam2_contract(s), self.device) for s in self.sizes}
-        self.accepts_nv12 = self.device.type == "cuda"  # the batched op runs where the pixels are
+        # the batched op runs where the pixels are; `exact` promises PIL's resize of RGB frames, so it keeps them
+        self.accepts_nv12 = self.device.type == "cuda" and cfg.preprocess == "fast"
         self._slots_read_on_gpu = False
+        # The encoder at image_size as CUDA graphs (captured at start: capture_graphs); degrade sizes run eager.
+        # On an H200 hiera-t's bf16 encoder took 12.2 ms at batch 1 and 12.3 at batch 4 (../shared/gpu/README.md):
+        # launch-bound, which is what a graph's replay removes.
+        self.graphs: GraphDispatcher | None = None
+        if cfg.cuda_graphs and (graph_backend is not None or self.device.type == "cuda"):
+            self.graphs = GraphDispatcher(self._graphed_backbone, cfg.graph_batch_sizes or default_sizes(cfg.max_batch),
+                                          backend=graph_backend or CudaGraphBackend(self.device), key=KEY)
         self.level = 0
         self.wanted: Callable[[str], bool] = lambda stream: True  # set by build_pool: TrackingStage.wants_frames
 
@@ -85,8 +95,10 @@ class Sam2EncoderRunner(ModelRunner):
                 ready = f.ready_event()
                 if ready is not None:
                     stream.wait_event(ready)
-        x, read_nv12 = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
-        self._slots_read_on_gpu = read_nv12 and self.device.type == "cuda"
+        # set before reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots
+        # are still released on an event after those reads
+        self._slots_read_on_gpu = self.device.type == "cuda" and any(f.meta.pixel_format == "nv12" for f in kept)
+        x, _ = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
         return keep, len(frames), x
 
     def _rgb(self, pixels: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -112,20 +124,47 @@ class Sam2EncoderRunner(ModelRunner):
         keep, n, x = inputs
         out: list[dict] = [{"_features": None} for _ in range(n)]
         if x is not None:
-            with autocast(self.device, self.dtype):
-                feats = encode(self.models[x.shape[-1]], x)
+            feats = self._encode(x)
+            if self.device.type == "cuda":
+                # wait for this batch's encoder (an event, not the stream: the tracking stage queues its work on
+                # the same stream from the output thread): one batch in flight, and the batch's time is its run
+                # time for the latency model, not its launch time
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+                done.synchronize()
             for i, f in zip(keep, feats):
                 out[i] = {"_features": f}
         return out
 
+    def _encode(self, x: torch.Tensor) -> list:
+        """Features per frame: replayed from a graph at image_size (copied out of its static buffers), eager at
+        the degrade sizes, over the largest graph, or without graphs."""
+        size = x.shape[-1]
+        if self.graphs is not None and self.graphs.sizes and size == self.model.image_size:
+            return encode(self.model, x, self.graphs.run(x))
+        with autocast(self.device, self.dtype):
+            return encode(self.models[size], x)
+
+    def _graphed_backbone(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with autocast(self.device, self.dtype, cache=False):
+            return backbone(self.model, x)
+
+    def capture_graphs(self) -> None:
+        """Capture the encoder's CUDA graphs (once; a no-op without graphs): at start, before any stream's
+        thread starts (build_pool); an instance rebuilt after a failure runs eager, as the classifier's."""
+        if self.graphs is not None and not self.graphs.attempted:
+            s = self.model.image_size
+            self.graphs.capture((3, s, s), torch.float32, self.device)
+
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         c, h, w = self.pre.data_config["input_size"]
-        def run(x: torch.Tensor) -> list:
-            with autocast(self.device, self.dtype):
-                return encode(self.model, x)
-        return time_batches(run, lambda b: torch.randn(b, c, h, w, device=self.device), batch_sizes, self.device)
+        self.capture_graphs()
+        return time_batches(self._encode, lambda b: torch.randn(b, c, h, w, device=self.device), batch_sizes,
+                            self.device)
 
     def close(self) -> None:
+        if self.graphs is not None:  # before the weights go: a replay would read freed memory
+            self.graphs.close()
         self.model = None
 
 
@@ -284,10 +323,20 @@ def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
     if models is None:
         first = Sam2EncoderRunner(cfg)
 
-        def more() -> ModelRunner:  # one model (and one per degrade size) for every instance
+        def more() -> Sam2EncoderRunner:  # one model (and one per degrade size) for every instance
             return Sam2EncoderRunner(cfg, model=first.model, weights_tag=first.weights_tag, sized=first.sized)
+
+        def rebuilt() -> ModelRunner:
+            # no capture at run time (graphs.py, classify.build_pool: torch.cuda.graph() synchronises the device)
+            runner = more()
+            if runner.graphs is not None:
+                runner.graphs.eager_reason = "rebuilt after a failure: graphs are captured only at start"
+                log.warning("%s: a rebuilt encoder instance runs eager (%s)", KEY, runner.graphs.eager_reason)
+            return runner
         models = [first] + [more() for _ in range(cfg.encoders - 1)]
-        factory = factory or more
+        for m in models:  # every instance its own graphs, at start, before any stream's thread
+            m.capture_graphs()
+        factory = factory or rebuilt
     main = models[0]
     device = resolve_device(cfg.device, f"{KEY}.device")
     stage = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects,

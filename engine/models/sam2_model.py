@@ -145,12 +145,14 @@ def resized_model(main: torch.nn.Module, config: str, image_size: int) -> torch.
     return model.to(device).eval()
 
 
-def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, dtype: torch.dtype, *, cache: bool = True) -> contextlib.AbstractContextManager:
     """SAM 2 under autocast at `dtype` (Meta runs its predictor under bf16 autocast on a GPU, weights in
-    float32); float32: no autocast, every op as built."""
+    float32); float32: no autocast, every op as built. `cache=False` inside a CUDA graph: autocast's cache of
+    cast weights is freed when the context exits, and a graph would replay reads of that freed memory
+    (PyTorch's CUDA-graph notes say to capture autocast with cache_enabled=False)."""
     if dtype == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
+    return torch.autocast(device.type, dtype=dtype, cache_enabled=cache)
 
 
 @functools.lru_cache(maxsize=8)

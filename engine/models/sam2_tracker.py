@@ -97,29 +97,38 @@ class TrackingStage:
         self._refresh()
 
     @torch.inference_mode()
-    def warmup(self, steps: int = 2) -> float:
-        """At every input size, one object through its prompt frame and `steps - 1` tracking steps on an
-        encoded blank frame: the first camera frame then pays no one-time cost (allocations, kernel
-        selection, and on a GPU cuDNN's autotuning). Nothing of it stays: the stream is removed, the
-        counters and events are as before. Returns the seconds it took."""
+    def warmup(self, steps: int = 3) -> float:
+        """At every input size, on an encoded blank frame: object 0 prompted on the first step, object 1 on the
+        second, then tracked for `steps` steps in all, so the prompt path, the batched step of one object and
+        the padded, masked step of two objects whose banks differ all run once before the first camera frame
+        (allocations, kernel selection; on a GPU cuDNN's autotuning). Nothing of it stays: the stream is
+        removed, and the counters and events are as they were. Returns the seconds it took (the GPU waited
+        for)."""
+        if steps < 3:
+            raise ValueError(f"warmup: steps must be >= 3 to reach a padded step, got {steps}")
         t0 = time.perf_counter()
-        stream, calls, padded = "\x00warmup", len(self.calls), self.padded_calls
+        stream, calls, padded, events = "\x00warmup", len(self.calls), self.padded_calls, len(self.events)
         for size, m in self.models.items():
             with autocast(self.device, self.dtype):
                 feats = encode(m, torch.zeros(1, 3, size, size, device=self.device))[0]
             self.add_stream(stream)
             try:
-                self.add_object(stream, Prompt(0, box=[size // 4, size // 4, 3 * size // 4, 3 * size // 4]))
-                for _ in range(steps):
+                for k in range(steps):
+                    if k < 2:
+                        lo, hi = size // (4 + k), size - size // (4 + k)
+                        self.add_object(stream, Prompt(k, box=[lo, lo, hi, hi]))
                     self.step([(stream, feats, (size, size))])
             finally:
                 self.remove_stream(stream)
-        self.events.clear()
+        while len(self.events) > events:
+            self.events.pop()
         while len(self.calls) > calls:
             self.calls.pop()
         self.padded_calls = padded
         for lst in self.stage_s.values():
             lst.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
     def remove_stream(self, stream: str) -> None:
@@ -515,14 +524,28 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
     return out
 
 
-@torch.inference_mode()
-def encode(model: torch.nn.Module, images: torch.Tensor) -> list[FrameFeatures]:
-    """(a) the image encoder on a batch of frames (any streams); features split per frame."""
+def backbone(model: torch.nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The image encoder's outputs the tracking stage reads, as a flat tuple (what a CUDA graph captures):
+    the FPN levels, then their position encodings."""
     out = model.forward_image(images)
+    return (*out["backbone_fpn"], *out["vision_pos_enc"])
+
+
+@torch.inference_mode()
+def encode(model: torch.nn.Module, images: torch.Tensor, outputs: Optional[tuple[torch.Tensor, ...]] = None
+           ) -> list[FrameFeatures]:
+    """(a) the image encoder on a batch of frames (any streams); features split per frame. `outputs`: the
+    encoder's outputs computed already (`backbone`, replayed from a CUDA graph): views of the graph's static
+    buffers, which the next replay overwrites, so each frame's features are copied out of them."""
+    copy = outputs is not None
+    if outputs is None:
+        outputs = backbone(model, images)
+    levels = len(outputs) // 2
+    fpn, pos = outputs[:levels], outputs[levels:]
     feats = []
     for i in range(images.shape[0]):
-        one = {"backbone_fpn": [x[i:i + 1] for x in out["backbone_fpn"]],
-               "vision_pos_enc": [x[i:i + 1] for x in out["vision_pos_enc"]]}
+        one = {"backbone_fpn": [x[i:i + 1].clone() if copy else x[i:i + 1] for x in fpn],
+               "vision_pos_enc": [x[i:i + 1].clone() if copy else x[i:i + 1] for x in pos]}
         _, vision_feats, vision_pos, sizes = model._prepare_backbone_features(one)
         feats.append(FrameFeatures(vision_feats, vision_pos, sizes, images.shape[-1]))
     return feats

@@ -7,7 +7,9 @@ in its own: about twice a batch's run time from ready to done. So the largest ba
 (the latency model's high quantile: mean + k deviations, what the scheduler plans with) fits twice in
 `budget.latency_ms` is the most throughput the budget allows: a larger batch buys frames/s the deadline
 then drops. Measured on an H200 with ViT-L/16 graphs (../shared/gpu/README.md): batch 1 1.39 ms, batch 8
-2.74 ms; at 17 ms the rule keeps the sizes up to the one that takes 8.5 ms.
+2.74 ms; at 17 ms the rule keeps the sizes whose estimate is at most 8.5 ms. The times are the model's
+forward alone, timed at start on random input: preprocessing and the results' copy add to a batch's real
+time, and the scheduler's latency model learns those from the batches it runs.
 
 The sweep stops at the first size that does not fit (`stop_sweep`): a larger one would not be chosen, and
 on a CPU measuring it costs seconds (ViT-L/16 batch 64 is ~30 s on two cores).
@@ -68,15 +70,15 @@ def choose_max_batch(estimate: Callable[[int], float], measured: Sequence[int], 
     ok = [b for b in sizes if fits(estimate(b), budget_s)]
     budget_ms = budget_s * 1e3
     if not ok:
-        return BatchChoice(1, f"even batch 1 takes {estimate(1) * 1e3:.1f} ms, over half the {budget_ms:g} ms "
+        return BatchChoice(1, f"even batch 1's estimate is {estimate(1) * 1e3:.1f} ms, over half the {budget_ms:g} ms "
                               f"budget: most frames will miss their deadline; raise budget.latency_ms or run a "
                               f"smaller model")
     b = ok[-1]
     over = next((s for s in sizes if s > b), None)
-    why = (f"batch {b} takes {estimate(b) * 1e3:.1f} ms: the largest measured batch that runs twice within the "
+    why = (f"batch {b}'s estimate is {estimate(b) * 1e3:.1f} ms: the largest measured batch that runs twice within the "
            f"{budget_ms:g} ms budget (a frame may wait for the batch ahead of it, then run in its own)")
     if over is not None:
-        why += f"; batch {over} takes {estimate(over) * 1e3:.1f} ms"
+        why += f"; batch {over}'s is {estimate(over) * 1e3:.1f} ms"
     else:
         why += f"; {b} is the largest size measured (models.<pool>.max_batch: auto measures up to {sizes[-1]})"
     return BatchChoice(b, why)

@@ -11,6 +11,7 @@ from pycocotools import mask as mask_utils
 
 from engine.errors import ConfigError, WeightsError
 from engine.models.sam2_model import build_sam2_model, preprocess
+from engine.models.sam2_attention import same_layout
 from engine.models.sam2_tracker import TrackingStage, Prompt, PromptError, encode, render
 from engine.core.engine import Engine
 from engine.testing.clips import decode_all, write_clip
@@ -18,6 +19,7 @@ from engine.testing.sam2_ref import CONFIG, SIZE, iou, make_checkpoint, referenc
 from engine.testing.wait import wait_for
 from tests.support.collector import Collector
 from tests.support.engines import engine_config, run_engine
+from tests.support.models import rel_err
 
 PROMPTS = {1: {"box": [40, 30, 160, 150]}, 2: {"points": [[250, 180, 1], [60, 200, 0]]}}
 N = 21  # 3 x num_maskmem
@@ -122,13 +124,24 @@ def test_bf16_autocast_as_meta_runs_it_on_a_gpu_stays_close_to_float32(ckpt, cli
 
 
 @pytest.mark.timeout(300)
-def test_the_tracking_stage_warms_up_at_start_and_leaves_nothing_behind(model, clips, ref0):
+def test_the_tracking_stage_warms_up_at_start_and_leaves_nothing_behind(model, clips, ref0, monkeypatch):
     """The pool warms its tracking stage at start (a blank frame, one object, a prompt and a step at every
     input size), so the first camera frame pays no one-time cost; nothing of it stays."""
     stage = TrackingStage(model)
+    stage.events.append(("cam", "info", "an event from before"))
+    seen = []
+    batch = TrackingStage._track_batch
+
+    def spy(self, items, gathered):  # the warm-up must reach the batched step, and the padded one
+        seen.append((len(items), not same_layout(gathered)))
+        return batch(self, items, gathered)
+    monkeypatch.setattr(TrackingStage, "_track_batch", spy)
     assert stage.warmup() > 0
-    assert stage.list() == {} and not stage.events and not stage.calls and stage.padded_calls == 0
+    assert seen == [(1, False), (2, True)], seen
+    assert stage.list() == {} and list(stage.events) == [("cam", "info", "an event from before")]
+    assert not stage.calls and stage.padded_calls == 0
     assert not stage.object_failures and all(not v for v in stage.stage_s.values())
+    stage.events.clear()
     ours, _ = stream_masks(model, {"a": decode_all(clips[0])}, {("a", 0): PROMPTS}, stage=stage)
     assert_equal_to_reference(ours["a"], ref0)
 
@@ -500,16 +513,66 @@ def test_degrade_sizes_validated(sizes, message):
             build_config(tree, cuda_available=True)
 
 
-class _View:
-    """The part of a FrameRef the SAM 2 encoder worker reads."""
+def _View(stream, pixels):
+    """A frame of `stream` as the encoder worker gets it: a FrameRef (over a tensor in no ring)."""
+    from engine.frames.ref import LooseFrames
+    return LooseFrames([torch.from_numpy(pixels)]).refs(stream)[0]
 
-    def __init__(self, stream, pixels):
-        from types import SimpleNamespace
-        self.meta = SimpleNamespace(stream=stream, height=pixels.shape[0], width=pixels.shape[1])
-        self._pixels = torch.from_numpy(pixels)
 
-    def pixels(self):
-        return self._pixels
+@pytest.mark.timeout(120)
+def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
+    """The GPU branch of the encoder's prepare / release_event / infer, with a fake of torch.cuda's current
+    stream and events (tensors stay on the CPU): the stream waits on each NV12 slot's write event before the
+    batched op; NV12 slots are released on an event recorded after it (RGB host slots need none: read
+    before prepare returns); infer waits on its own encoder's event, not on the stream."""
+    from engine.config import Sam2Config
+    from engine.frames.ref import LooseFrames
+    from engine.models.sam2 import Sam2EncoderRunner
+
+    class Event:
+        def __init__(self, name="model"):
+            self.name, self.recorded, self.synced = name, 0, 0
+
+        def record(self, stream=None):
+            self.recorded += 1
+
+        def synchronize(self):
+            self.synced += 1
+
+    class Stream:
+        def __init__(self):
+            self.waited: list = []
+
+        def wait_event(self, event):
+            self.waited.append(event.name)
+
+    stream, made = Stream(), []
+
+    def event():
+        made.append(Event())
+        return made[-1]
+
+    class Slots(LooseFrames):  # a ring's slots whose writes are ordered by events
+        def ready_event(self, slot):
+            return Event(f"write{slot}")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    w = Sam2EncoderRunner(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu",
+                                     cuda_graphs=False), model=model, weights_tag="t")
+    w.device = torch.device("cuda")  # the GPU branch; the tensors stay where they are
+    rng = np.random.default_rng(0)
+    nv12 = Slots([torch.from_numpy(rng.integers(0, 255, (72, 64), dtype=np.uint8)) for _ in range(2)]
+                 ).refs("gpu-cam", pixel_format="nv12")
+    rgb = Slots([torch.from_numpy(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8))]).refs("cpu-cam")
+    inputs = w.prepare([nv12[0], rgb[0], nv12[1]])
+    assert stream.waited == ["write0", "write0", "write1"]  # every slot's write, before the batched op
+    released = w.release_event()
+    assert released is made[-1] and released.recorded == 1 and released.synced == 0  # no host wait
+    out = w.infer(inputs)
+    assert [o["_features"] is not None for o in out] == [True] * 3
+    assert made[-1] is not released and made[-1].recorded == 1 and made[-1].synced == 1  # its own batch only
+    w.prepare([rgb[0]])
+    assert w.release_event() is None  # host RGB slots: read before prepare returned
 
 
 @pytest.mark.timeout(120)
@@ -542,6 +605,35 @@ def test_the_encoder_reads_nv12_frames_and_mixed_batches(pool128):
     for k in range(3):  # NV12 vs its own RGB conversion, in 8-bit levels
         assert ((alone[k][0] - alone[3 + k][0]).abs() * std * 255).max() <= 2.0
     assert w.release_event() is None  # on the CPU prepare has read the slots already
+
+
+@pytest.mark.timeout(180)
+def test_the_graphed_encoder_copies_each_frames_features_out_of_the_graphs_buffers(model, ckpt, clips):
+    """models.sam2.cuda_graphs: the encoder at image_size replays a graph per batch size (a fake one here that
+    overwrites its static outputs at each replay, as a real graph does); each frame's features are copied out,
+    so a batch's features survive the next batch and equal the eager encoder's; a degrade size runs eager."""
+    from engine.config import Sam2Config
+    from engine.models.sam2 import Sam2EncoderRunner
+    from tests.support.fake_graphs import FakeBackend
+    cfg = Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu", degrade_sizes=[128])
+    fake = FakeBackend()
+    graphed = Sam2EncoderRunner(cfg, model=model, weights_tag="t", graph_backend=fake)
+    eager = Sam2EncoderRunner(cfg, model=model, weights_tag="t", sized=graphed.sized)
+    assert eager.graphs is None  # on the CPU without a backend: no graphs
+    graphed.capture_graphs()
+    assert graphed.graphs.sizes == (1, 2, 4)
+    frames = decode_all(clips[0])[:4]
+    first = graphed.infer(graphed.prepare([_View("a", frames[0]), _View("b", frames[1])]))
+    graphed.infer(graphed.prepare([_View("a", frames[2]), _View("b", frames[3])]))  # overwrites the buffers
+    want = eager.infer(eager.prepare([_View("a", frames[0]), _View("b", frames[1])]))
+    assert [b for b, _ in fake.replays] == [2, 2]
+    for got, ref in zip(first, want):
+        g, r = got["_features"], ref["_features"]
+        for a, b in zip(g.vision_feats + g.vision_pos, r.vision_feats + r.vision_pos):
+            assert rel_err(a, b) <= 1e-5
+    graphed.set_level(1)  # 128 px: eager, no replay
+    graphed.infer(graphed.prepare([_View("a", frames[0])]))
+    assert len(fake.replays) == 2
 
 
 @pytest.fixture(scope="module")

@@ -18,16 +18,16 @@ def linear(fixed_ms: float, per_frame_ms: float):
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("estimate, sizes, budget_ms, chosen, said", [
     # 1 + 0.5 b ms: b8 5 ms (x2 = 10 <= 17), b16 9 ms (x2 = 18 > 17)
-    (linear(1, 0.5), [1, 2, 4, 8, 16], 17, 8, "batch 8 takes 5.0 ms: the largest measured batch that runs twice "
+    (linear(1, 0.5), [1, 2, 4, 8, 16], 17, 8, "batch 8's estimate is 5.0 ms: the largest measured batch that runs twice "
                                               "within the 17 ms budget"),
-    (linear(1, 0.5), [1, 2, 4, 8, 16], 18, 16, "batch 16 takes 9.0 ms"),  # exactly twice fits
+    (linear(1, 0.5), [1, 2, 4, 8, 16], 18, 16, "batch 16's estimate is 9.0 ms"),  # exactly twice fits
     # nothing fits: batch 1, said loudly
-    (linear(10, 0), [1], 17, 1, "even batch 1 takes 10.0 ms, over half the 17 ms budget"),
+    (linear(10, 0), [1], 17, 1, "even batch 1's estimate is 10.0 ms, over half the 17 ms budget"),
     # everything measured fits: the largest measured, and the sweep's ceiling is said
     (linear(0, 0.01), [1, 2, 4], 17, 4, "4 is the largest size measured"),
     # H200 ViT-L/16 graphs (../shared/gpu/README.md): b1 1.39 ms, b8 2.74 ms; b16 taken as 5.5 ms, b32 as 10 ms
     ({1: 1.39e-3, 2: 1.6e-3, 4: 2.0e-3, 8: 2.74e-3, 16: 5.5e-3, 32: 10e-3}.__getitem__, [1, 2, 4, 8, 16, 32], 17, 16,
-     "batch 32 takes 10.0 ms"),
+     "batch 32's is 10.0 ms"),
 ])
 def test_the_largest_batch_that_runs_twice_within_the_budget(estimate, sizes, budget_ms, chosen, said):
     choice = choose_max_batch(estimate, sizes, budget_ms / 1e3)
@@ -77,7 +77,7 @@ def test_auto_sweeps_until_a_size_does_not_fit_then_batches_up_to_the_choice(end
     assert runner.asked == [[b] for b in (1, 2, 4, 8, 16) for _ in range(3)]  # each size 3 times, the median kept
     pool = eng.pools["classify"]
     assert pool.scheduler.max_batch == 8 and pool.batch_choice.max_batch == 8
-    assert any("max_batch auto -> 8: batch 8 takes 6.0 ms" in r.getMessage() for r in caplog.records)
+    assert any("max_batch auto -> 8: batch 8's estimate is 6.0 ms" in r.getMessage() for r in caplog.records)
     assert max(runner.batch_sizes) == 8, runner.batch_sizes
     assert sum(runner.batch_sizes) == 64
 
@@ -94,3 +94,21 @@ def test_a_fixed_max_batch_is_not_swept(endpoint):
         assert eng.pools["classify"].batch_choice is None
     finally:
         eng.stop()
+
+
+@pytest.mark.timeout(30)
+def test_auto_with_a_model_that_reports_no_times_is_refused_at_start(endpoint):
+    """An estimate of 0 fits any budget: auto would pick 64 on nothing. A runner whose warm-up times nothing
+    (a plug-in family's) with max_batch auto fails the start, naming the key."""
+    from engine.errors import ConfigError
+
+    class Untimed(NoopRunner):
+        def warmup(self, batch_sizes):
+            return {}
+    cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=64x48&fps=30&frames=4"}], endpoint,
+                        models={"classify": {"max_batch": "auto"}})
+    eng = Engine(cfg, models={"classify": Untimed()})
+    with pytest.raises(ConfigError, match=r"models\.classify\.max_batch: auto, but the pool's model reports no "
+                                          r"time for batch 1 at warm-up: set a number"):
+        eng.start()
+    eng.stop()

@@ -1,0 +1,63 @@
+"""SAM 2 on a GPU (issue 24): the graphed bf16 encoder against the eager one, the key-masked memory attention
+under bf16 autocast against one call per object, and the NV12 encoder input from a CUDA ring slot.
+
+Marked `gpu`: skipped without CUDA, failing when VIDAR_REQUIRE_GPU=1 (conftest.py). These have NOT run: no
+development session has had a GPU. benchmarks/gpu_check.py runs them (its `tests` part).
+"""
+
+import pytest
+import torch
+
+from engine.config import Sam2Config
+from engine.models.sam2 import Sam2EncoderRunner
+from engine.models.sam2_attention import memory_attention, pad_memories
+from engine.models.sam2_model import autocast, build_sam2_model
+from engine.testing.sam2_ref import CONFIG, make_checkpoint
+from tests.support.models import rel_err
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+SIZE = 512
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("sam2gpu") / "biased.pt")
+
+
+def test_graphed_bf16_encoder_equals_the_eager_one(ckpt):
+    cfg = Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cuda", max_batch=4)
+    graphed = Sam2EncoderRunner(cfg)
+    eager = Sam2EncoderRunner(cfg.model_copy(update={"cuda_graphs": False}), model=graphed.model, weights_tag="t")
+    graphed.capture_graphs()
+    assert graphed.graphs.sizes == (1, 2, 4), graphed.graphs.eager_reason
+    assert graphed.dtype == torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.rand(3, 3, SIZE, SIZE, device="cuda", generator=g) * 2 - 1
+    y = torch.rand(3, 3, SIZE, SIZE, device="cuda", generator=g) * 2 - 1
+    first = graphed._encode(x)
+    graphed._encode(y)  # the next replay must not change the first batch's features
+    ref = eager._encode(x)
+    for a, b in zip(first, ref):
+        for u, v in zip(a.vision_feats + a.vision_pos, b.vision_feats + b.vision_pos):
+            assert rel_err(u.float(), v.float()) <= 2e-2
+
+
+def test_masked_memory_attention_under_bf16_equals_one_call_per_object(ckpt):
+    model = build_sam2_model(CONFIG, str(ckpt), SIZE, torch.device("cuda"))[0]
+    hw, c = (SIZE // 16) ** 2, model.memory_attention.d_model
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def memory(frames, ptr_tokens):
+        n = frames * hw + ptr_tokens
+        return (torch.randn(n, 1, c, device="cuda", generator=g), torch.randn(n, 1, c, device="cuda", generator=g),
+                ptr_tokens)
+    gathered = [memory(7, 64), memory(4, 16), memory(2, 8)]
+    curr = torch.randn(hw, 3, c, device="cuda", generator=g)
+    pos = torch.randn(hw, 3, c, device="cuda", generator=g)
+    with torch.inference_mode(), autocast(torch.device("cuda"), torch.bfloat16):
+        one = torch.cat([model.memory_attention(curr=[curr[:, i:i + 1]], curr_pos=[pos[:, i:i + 1]], memory=m,
+                                                memory_pos=p, num_obj_ptr_tokens=n)
+                         for i, (m, p, n) in enumerate(gathered)], dim=1)
+        mem, mpos, n_ptr, mask = pad_memories(gathered, hw)
+        batched = memory_attention(model.memory_attention, curr, pos, mem, mpos, n_ptr, mask)
+    assert rel_err(batched.float(), one.float()) <= 2e-2
