@@ -9,7 +9,8 @@ empty), two box prompts per stream on the 720p clip:
   sam2_meta      Meta's SAM2VideoPredictor under bf16 autocast: ms per frame (median after warm-up)
   sam2_fidelity  vidar, 1 stream x 2 objects, offline, `preprocess: exact` (Meta's own resize): mask IoU
                  against Meta's under the same autocast, min and mean (issue 24: >= 0.99, mean >= 0.995)
-  sam2_offline   vidar offline, 1 x 2 and 8 x 2 streams x objects: ms per stream-frame, and against Meta
+  sam2_offline   vidar offline, 1 x 2 and 8 x 2 streams x objects: ms per stream-frame, and against Meta;
+                 8 x 2 again with the tracking stage's steady-state CUDA graphs off (`tracking_graphs`)
   sam2_live      vidar live, 4, 8 and 16 streams x 1 object at 30 FPS, 100 ms budget: goodput, p99, drops
   sam2_profile   8 x 2 offline with the tracking sub-stages timed (memory attention, mask decoder, memory
                  encoder), the encoder's batch times and the tracking calls' batch sizes: where the time goes
@@ -93,7 +94,7 @@ class _Results:
 
 def run_engine(*, clip: Path, n: int, objects: int, mode: str, image_size: int, ckpt: Path, device: str,
                size: tuple[int, int], preprocess: str = "fast", seconds: float = 60.0, warm_s: float = 0.0,
-               budget_ms: float = 100.0, timed: bool = False) -> dict:
+               budget_ms: float = 100.0, timed: bool = False, tracking_graphs: bool = True) -> dict:
     """n streams of `clip`, `objects` box prompts each; offline: to the end; live: looped, counted over
     `seconds` after `warm_s`. Returns counts, per-stream arrival times and the masks of stream s0."""
     from engine.config import build_config
@@ -103,7 +104,7 @@ def run_engine(*, clip: Path, n: int, objects: int, mode: str, image_size: int, 
     ids = [f"s{i}" for i in range(n)]
     tree = {"streams": [{"id": i, "url": str(clip), "mode": mode, "loop": mode == "live"} for i in ids],
             "models": {"sam2": {"config": "sam2.1_hiera_t", "checkpoint": str(ckpt), "image_size": image_size,
-                                "device": device, "preprocess": preprocess}},
+                                "device": device, "preprocess": preprocess, "tracking_graphs": tracking_graphs}},
             "objects": [{"stream": i, "id": o, "box": b} for i in ids for o, b in list(boxes(*size).items())[:objects]],
             "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": endpoint},
             "metrics": {"enabled": False}, "control": {"enabled": False}, "view": {"enabled": False}}
@@ -137,7 +138,10 @@ def run_engine(*, clip: Path, n: int, objects: int, mode: str, image_size: int, 
                "tracking_calls": dict(sorted(Counter(stage.calls).items())), "padded_calls": stage.padded_calls}
     if timed:
         profile["stage_ms"] = {k: round(float(np.median(v)) * 1e3, 2) for k, v in stage.stage_s.items() if v}
+    # steps replayed from the steady-state CUDA graphs (engine/models/sam2_step.py; 0 on the CPU)
+    graphed = sum(g.replays for g in stage.graphs.values())
     return {"start_s": round(start_s, 1), "finished": finished, "results": [len(v) for v in arrivals.values()],
+            "tracking_graphs": tracking_graphs, "graphed_steps": graphed,
             **counted, "_profile": profile, "_arrivals": arrivals, "_masks": masks}
 
 
@@ -200,9 +204,10 @@ def part_sam2(emit: Callable[..., None], *, clip: Path, dry: bool) -> None:
         r = run_engine(clip=short, n=n_prof, objects=2, mode="offline", image_size=size, ckpt=ckpt, device=device,
                        size=wh, timed=True)
         emit("sam2_profile", image_size=size, streams=n_prof, objects_per_stream=2, **r.pop("_profile"))
-        for n in ((1, 2) if dry else (1, 8)):
+        # the many-stream run twice: the tracking stage's steady-state graphs on, then off (measured alone)
+        for n, graphs in (((1, True), (2, True), (2, False)) if dry else ((1, True), (8, True), (8, False))):
             r = run_engine(clip=short, n=n, objects=2, mode="offline", image_size=size, ckpt=ckpt, device=device,
-                           size=wh)
+                           size=wh, tracking_graphs=graphs)
             per_frame = ms_per_stream_frame(r.pop("_arrivals"), warm)
             r.pop("_masks")
             r.update(r.pop("_profile"))

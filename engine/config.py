@@ -206,6 +206,11 @@ class Sam2Config(_GraphKeys):
     (`decoder_threads`, its name before 0.2, is read too.)"""
     max_objects: int = Field(32, ge=1, le=4096)
     """Admission limit: tracked objects (with pending prompts) across all streams; more are refused."""
+    tracking_graphs: bool = True
+    """On a GPU: the tracking stage's steady state (every object's memory bank full, at image_size) as CUDA
+    graphs, one per object count 1, 2, 4, ... up to max_objects (at most 32; a step is padded to the next),
+    captured at start (engine/models/sam2_step.py); other steps, and all if capture fails (the reason
+    logged), run eager. Ignored on the CPU."""
     degrade_sizes: list[int] = []
     """Smaller encoder input sizes the engine may step down to under overload, e.g. [512, 256] for
     image_size 1024: each a multiple of 32 (and >= 128), strictly smaller than image_size, descending.

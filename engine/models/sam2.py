@@ -340,7 +340,7 @@ def build_pool(cfg: Sam2Config, *, models: list[ModelRunner] | None = None,
     main = models[0]
     device = resolve_device(cfg.device, f"{KEY}.device")
     stage = TrackingStage(main.model, sized=getattr(main, "sized", None), max_objects=cfg.max_objects,
-                          dtype=resolve_dtype(cfg.dtype, device, f"{KEY}.dtype"))
+                          dtype=resolve_dtype(cfg.dtype, device, f"{KEY}.dtype"), graphs=cfg.tracking_graphs)
 
     def wire(w: ModelRunner) -> ModelRunner:
         if isinstance(w, Sam2EncoderRunner):

@@ -4,7 +4,7 @@ An object's memory is [its mask-memory frames, HW tokens each][its object-pointe
 of each differs between objects for the first frames after a prompt (up to `num_maskmem` frames and
 `max_obj_ptrs_in_encoder` pointers), or when cond frames age differently. sam2's `MemoryAttention` takes one
 memory length for the whole batch and its `RoPEAttention` has no key mask, so the tracking stage used to
-split such a step into one call per length. Here the memories are padded to one layout,
+split such a step into one call per length. Here the memories are padded to one layout (built by sam2_gather.py),
 
     [mask-memory frames, padded with whole zero frames to the longest][pointer tokens, padded to the most]
 
@@ -24,49 +24,10 @@ different lengths (within 1e-4; ~1e-6 seen), so a change in sam2 that this copy 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-#: one object's gathered memory: (tokens (L, 1, C), positions (L, 1, C), pointer tokens at the end of L)
-Gathered = tuple[torch.Tensor, torch.Tensor, int]
-
-
-def same_layout(gathered: Sequence[Gathered]) -> bool:
-    """Every object has as many mask-memory and pointer tokens as the first: sam2's own call batches them."""
-    first = gathered[0]
-    return all(g[0].shape[0] == first[0].shape[0] and g[2] == first[2] for g in gathered)
-
-
-def pad_memories(gathered: Sequence[Gathered], hw: int) -> tuple[torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]:
-    """(memory (L, B, C), positions (L, B, C), pointer tokens, key mask (B, L) True = attend, or None).
-
-    Objects of one layout are concatenated as they are (no mask: sam2's own path, bit for bit).
-    """
-    if same_layout(gathered):
-        return (torch.cat([g[0] for g in gathered], dim=1), torch.cat([g[1] for g in gathered], dim=1),
-                gathered[0][2], None)
-    frames = []
-    for mem, _, n_ptr in gathered:
-        n_mem = mem.shape[0] - n_ptr
-        if n_mem % hw:
-            raise ValueError(f"a memory of {n_mem} mask-memory tokens is not whole frames of {hw} tokens")
-        frames.append(n_mem // hw)
-    f_max, p_max = max(frames), max(g[2] for g in gathered)
-    first = gathered[0][0]
-    length, batch, channels = f_max * hw + p_max, len(gathered), first.shape[-1]
-    memory = first.new_zeros(length, batch, channels)
-    pos = gathered[0][1].new_zeros(length, batch, channels)
-    mask = torch.zeros(batch, length, dtype=torch.bool, device=first.device)
-    ptr0 = f_max * hw  # where the pointer block starts
-    for b, ((mem, mpos, n_ptr), nf) in enumerate(zip(gathered, frames)):
-        n_mem = nf * hw
-        memory[:n_mem, b], pos[:n_mem, b] = mem[:n_mem, 0], mpos[:n_mem, 0]
-        memory[ptr0:ptr0 + n_ptr, b], pos[ptr0:ptr0 + n_ptr, b] = mem[n_mem:, 0], mpos[n_mem:, 0]
-        mask[b, :n_mem] = True
-        mask[b, ptr0:ptr0 + n_ptr] = True
-    return memory, pos, p_max, mask
 
 
 def memory_attention(ma: torch.nn.Module, curr: torch.Tensor, curr_pos: torch.Tensor, memory: torch.Tensor,

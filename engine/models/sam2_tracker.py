@@ -3,9 +3,10 @@
 Per processed frame SAM 2 runs (a) the image encoder (see `Sam2EncoderRunner`), then per object
 (b) memory attention over the object's memory, (c) the mask decoder, (d) the memory encoder.
 Meta's `SAM2VideoPredictor` does (b)-(d) one object at a time and keeps every frame's outputs
-for ever. Here (b)-(d) run as one batched call for all due pairs at one input size: memories of
-different lengths (the first frames after a prompt) are padded and masked (sam2_attention.py), and each
-object keeps a bounded bank (sam2_memory.py).
+for ever. Here (b)-(d) run as one batched call for all due pairs at one input size: the memories of
+all objects are gathered in one pass (sam2_gather.py: a fixed number of tensor ops however many objects),
+memories of different lengths (the first frames after a prompt) are padded and masked
+(sam2_attention.py), and each object keeps a bounded bank (sam2_memory.py).
 
 Frame indices are per-stream counts of *processed* frames: a frame dropped for its deadline
 never reaches the tracker, so it leaves no hole in the memory. Nor does a frame that was not
@@ -38,7 +39,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.models.sam2_attention import memory_attention, pad_memories
+from engine.models.graphs import CudaGraphBackend, GraphBackend
+from engine.models.sam2_gather import MemoryPlan, gather, plan_memory
+from engine.models.sam2_step import StepGraphs, step_graph_sizes, step_tensors
 from engine.models.sam2_memory import FrameFeatures, Memory, ObjectBank, Prompt, PromptError, StreamTrack
 from engine.models.sam2_model import autocast, has_hole_filling
 
@@ -72,9 +75,12 @@ class TrackingStage:
     """Memory attention + mask decoder + memory encoder for every due (stream, object) pair."""
 
     def __init__(self, model: torch.nn.Module, *, sized: Optional[dict[int, torch.nn.Module]] = None,
-                 max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS, dtype: torch.dtype = torch.float32):
+                 max_objects: int = 32, max_attempts: int = MAX_ATTEMPTS, dtype: torch.dtype = torch.float32,
+                 graphs: bool = False, graph_backend: Optional[GraphBackend] = None):
         """model: SAM 2 at its configured input size; sized: the same weights built at other sizes; dtype: the
-        autocast dtype of every step (bfloat16 on a GPU, as Meta runs it; results are float32 either way)."""
+        autocast dtype of every step (bfloat16 on a GPU, as Meta runs it; results are float32 either way);
+        graphs: the steady-state step at the model's size as CUDA graphs, captured by `warmup` (on a GPU, or
+        with `graph_backend`, a fake in the CPU tests)."""
         self.model, self.dtype = model, dtype
         self.models = {model.image_size: model, **(sized or {})}
         self.device = next(model.parameters()).device
@@ -85,7 +91,12 @@ class TrackingStage:
         self.padded_calls = 0  # batched calls whose memories differed in length (padded and masked)
         # seconds per batched call of each sub-stage, for benchmarks (bounded)
         self.stage_s: dict[str, deque] = {k: deque(maxlen=10_000)
-                                          for k in ("memory_attention", "mask_decoder", "memory_encoder")}
+                                          for k in ("memory_attention", "mask_decoder", "memory_encoder",
+                                                    "graphed_step")}
+        self.graphs: dict[int, StepGraphs] = {}  # per input size (the model's own only): captured at warm-up
+        if graphs and (graph_backend is not None or self.device.type == "cuda"):
+            self.graphs[model.image_size] = StepGraphs(model, sizes=step_graph_sizes(max_objects), dtype=dtype,
+                                                       backend=graph_backend or CudaGraphBackend(self.device))
         self.timed = False  # on a GPU, sync between sub-stages to time them (benchmarks only: it costs)
         self.events: deque = deque(maxlen=1000)  # (stream, kind, reason) to publish
         self.object_failures: Counter = Counter()  # per stream: object steps that failed (committed)
@@ -101,16 +112,18 @@ class TrackingStage:
         """At every input size, on an encoded blank frame: object 0 prompted on the first step, object 1 on the
         second, then tracked for `steps` steps in all, so the prompt path, the batched step of one object and
         the padded, masked step of two objects whose banks differ all run once before the first camera frame
-        (allocations, kernel selection; on a GPU cuDNN's autotuning). Nothing of it stays: the stream is
-        removed, and the counters and events are as they were. Returns the seconds it took (the GPU waited
-        for)."""
+        (allocations, kernel selection; on a GPU cuDNN's autotuning); then the steady-state step's CUDA graphs
+        are captured (`graphs`). Nothing of the steps stays: the stream is removed, and the counters and
+        events are as they were. Returns the seconds it took (the GPU waited for)."""
         if steps < 3:
             raise ValueError(f"warmup: steps must be >= 3 to reach a padded step, got {steps}")
         t0 = time.perf_counter()
         stream, calls, padded, events = "\x00warmup", len(self.calls), self.padded_calls, len(self.events)
+        blank: dict[int, FrameFeatures] = {}
         for size, m in self.models.items():
             with autocast(self.device, self.dtype):
                 feats = encode(m, torch.zeros(1, 3, size, size, device=self.device))[0]
+            blank[size] = feats
             self.add_stream(stream)
             try:
                 for k in range(steps):
@@ -127,6 +140,11 @@ class TrackingStage:
         self.padded_calls = padded
         for lst in self.stage_s.values():
             lst.clear()
+        for size, graphs in self.graphs.items():  # after the eager steps: RoPE tables and caches exist
+            f = blank[size]
+            high_res = [f.vision_feats[lvl].permute(1, 2, 0).reshape(1, -1, *f.feat_sizes[lvl])
+                        for lvl in range(len(f.feat_sizes) - 1)]
+            graphs.capture(f.vision_feats[-1], f.vision_pos[-1], high_res, f.feat_sizes)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -288,25 +306,25 @@ class TrackingStage:
         """(indices, outputs) per input size: one batched call each, memories of different lengths padded
         and masked (sam2_attention.py); if it raises, each object alone, so only the failing ones fail."""
         groups: dict[int, list[int]] = {}
-        gathered = {}
+        plans = {}
         for i, d in enumerate(due):
             if not d.starts:
                 try:
-                    gathered[i] = self._gather(d.bank, d.t)
+                    plans[i] = plan_memory(self._model(d.bank.image_size), d.bank, d.t, NUM_FRAMES)
                 except Exception as err:
                     yield [i], [err]
                     continue
                 groups.setdefault(d.bank.image_size, []).append(i)
         for idxs in groups.values():
             try:
-                outs = self._track_batch([due[i] for i in idxs], [gathered[i] for i in idxs])
+                outs = self._track_batch([due[i] for i in idxs], [plans[i] for i in idxs])
             except Exception as err:
-                outs = [err] if len(idxs) == 1 else [self._track_one(due[i], gathered[i]) for i in idxs]
+                outs = [err] if len(idxs) == 1 else [self._track_one(due[i], plans[i]) for i in idxs]
             yield idxs, outs
 
-    def _track_one(self, d: _Due, gathered) -> dict | BaseException:
+    def _track_one(self, d: _Due, plan: MemoryPlan) -> dict | BaseException:
         try:
-            return self._track_batch([d], [gathered])[0]
+            return self._track_batch([d], [plan])[0]
         except Exception as err:
             return err
 
@@ -349,7 +367,7 @@ class TrackingStage:
         maskmem, pos = m._encode_new_memory(current_vision_feats=f.vision_feats, feat_sizes=f.feat_sizes,
                                             pred_masks_high_res=high, object_score_logits=out["object_score_logits"],
                                             is_mask_from_pts=True)
-        self._remember_pos(pos, m.image_size)
+        self._remember_pos(pos[-1], m.image_size)
         bank = ObjectBank(m.num_maskmem, m.max_obj_ptrs_in_encoder,
                           {d.t: Memory(maskmem.to(torch.bfloat16), out["obj_ptr"])}, m.image_size, masks)
         return {"logits": masks, "score": out["object_score_logits"].float()}, bank
@@ -390,70 +408,24 @@ class TrackingStage:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _remember_pos(self, pos: list[torch.Tensor], image_size: int) -> None:
+    def _remember_pos(self, pos: torch.Tensor, image_size: int) -> None:
+        """`pos`: the memory encoder's position encoding (B, mem_dim, h, w), the same for every frame."""
         if image_size not in self._pos_enc:
-            self._pos_enc[image_size] = pos[-1][0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
+            self._pos_enc[image_size] = pos[0:1].flatten(2).permute(2, 0, 1).clone()  # (HW, 1, mem_dim)
 
-    def _upload(self, values: list[int]) -> torch.Tensor:
-        """A few host numbers on the device without waiting: `torch.tensor(values, device="cuda")` copies
-        from pageable memory synchronously, i.e. waits until the GPU has run everything queued before it,
-        once per object per step (Meta's predictor does that); from pinned memory the copy is queued."""
-        host = torch.tensor(values)
+    def _upload(self, values: np.ndarray) -> torch.Tensor:
+        """A step's host numbers on the device without waiting: `torch.tensor(values, device="cuda")` copies
+        from pageable memory synchronously, i.e. waits until the GPU has run everything queued before it
+        (Meta's predictor does that once per object per step); from pinned memory the copy is queued."""
+        host = torch.from_numpy(values)
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _gather(self, bank: ObjectBank, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """One object's memory tokens, in SAM 2's order: cond frames, recent mask memories, pointers."""
-        from sam2.modeling.sam2_utils import get_1d_sine_pe, select_closest_cond_frames
-        m = self._model(bank.image_size)
-        C, nm = m.hidden_dim, m.num_maskmem
-        selected, unselected = select_closest_cond_frames(t, bank.cond, m.max_cond_frames_in_attn)
-        recent = dict(bank.maskmems)
-        prevs = [(0, mem) for mem in selected.values()]
-        for t_pos in range(1, nm):
-            prev = t - (nm - t_pos)
-            prevs.append((t_pos, recent.get(prev, unselected.get(prev))))
-        mems, poss = [], []
-        for t_pos, mem in prevs:
-            if mem is None:
-                continue
-            mems.append(mem.maskmem.to(self.device).float().flatten(2).permute(2, 0, 1))
-            poss.append(self._pos_enc[bank.image_size] + m.maskmem_tpos_enc[nm - t_pos - 1])
-        n_ptr_tokens = 0
-        max_ptrs = min(NUM_FRAMES, m.max_obj_ptrs_in_encoder)
-        pos_and_ptrs = [((t - ct) if m.use_signed_tpos_enc_to_obj_ptrs else abs(t - ct), mem.obj_ptr)
-                        for ct, mem in selected.items() if ct <= t]
-        ptrs = dict(bank.ptrs)
-        for t_diff in range(1, max_ptrs):
-            tt = t - t_diff
-            if tt < 0:
-                break
-            p = ptrs.get(tt)
-            if p is None and tt in unselected:
-                p = unselected[tt].obj_ptr
-            if p is not None:
-                pos_and_ptrs.append((t_diff, p))
-        if pos_and_ptrs:
-            pos_list, ptr_list = zip(*pos_and_ptrs)
-            obj_ptrs = torch.stack(ptr_list, dim=0)  # (n, 1, C)
-            if m.add_tpos_enc_to_obj_ptrs:
-                tpos_dim = C if m.proj_tpos_enc_in_obj_ptrs else m.mem_dim
-                obj_pos = get_1d_sine_pe(self._upload(pos_list) / (max_ptrs - 1), dim=tpos_dim)
-                obj_pos = m.obj_ptr_tpos_proj(obj_pos).unsqueeze(1).expand(-1, 1, m.mem_dim)
-            else:
-                obj_pos = obj_ptrs.new_zeros(len(pos_list), 1, m.mem_dim)
-            if m.mem_dim < C:
-                obj_ptrs = obj_ptrs.reshape(-1, 1, C // m.mem_dim, m.mem_dim).permute(0, 2, 1, 3).flatten(0, 1)
-                obj_pos = obj_pos.repeat_interleave(C // m.mem_dim, dim=0)
-            mems.append(obj_ptrs)
-            poss.append(obj_pos)
-            n_ptr_tokens = obj_ptrs.shape[0]
-        return torch.cat(mems, dim=0), torch.cat(poss, dim=0), n_ptr_tokens
-
-    def _track_batch(self, items: list[_Due], gathered: list) -> list[dict]:
-        """(b) memory attention, (c) mask decoder, (d) memory encoder: one call each for the group.
-        Returns per item {logits, score, memory}; the banks are not touched (the caller pushes)."""
+    def _track_batch(self, items: list[_Due], plans: list[MemoryPlan]) -> list[dict]:
+        """(b) memory attention, (c) mask decoder, (d) memory encoder: one call each for the group, or one
+        graph replay in the steady state (sam2_step.py). Returns per item {logits, score, memory}; the banks
+        are not touched (the caller pushes)."""
         m = self._model(items[0].feats.image_size)
         B = len(items)
         self.calls.append(B)
@@ -461,31 +433,29 @@ class TrackingStage:
         sizes = feats[0].feat_sizes
         curr = torch.cat([f.vision_feats[-1] for f in feats], dim=1)  # (HW, B, C)
         curr_pos = torch.cat([f.vision_pos[-1] for f in feats], dim=1)
-        H, W = sizes[-1]
         t0 = time.perf_counter()
-        memory, memory_pos, n_ptr, key_mask = pad_memories(gathered, H * W)
+        memory, memory_pos, n_ptr, key_mask = gather(m, plans, self._pos_enc[m.image_size], NUM_FRAMES, self._upload)
         self.padded_calls += key_mask is not None
-        pix = memory_attention(m.memory_attention, curr, curr_pos, memory, memory_pos, n_ptr, key_mask)
-        pix = pix.permute(1, 2, 0).view(B, m.hidden_dim, H, W)
-        high_res = [torch.cat([f.vision_feats[lvl] for f in feats], dim=1).permute(1, 2, 0).view(B, -1, *sizes[lvl])
+        high_res = [torch.cat([f.vision_feats[lvl] for f in feats], dim=1).permute(1, 2, 0).reshape(B, -1, *sizes[lvl])
                     for lvl in range(len(sizes) - 1)]
-        t1 = self._sync_time()
-        _, _, _, low, high, obj_ptr, score = m._forward_sam_heads(
-            backbone_features=pix, point_inputs=None, mask_inputs=None, high_res_features=high_res,
-            multimask_output=m._use_multimask(False, None))
-        t2 = self._sync_time()
-        maskmem, pos = m._encode_new_memory(current_vision_feats=[curr], feat_sizes=sizes, pred_masks_high_res=high,
-                                            object_score_logits=score, is_mask_from_pts=False)
-        t3 = self._sync_time()
-        self.stage_s["memory_attention"].append(t1 - t0)
-        self.stage_s["mask_decoder"].append(t2 - t1)
-        self.stage_s["memory_encoder"].append(t3 - t2)
+        graphs = self.graphs.get(m.image_size)
+        if graphs is not None and graphs.serves(B, memory.shape[0], n_ptr, key_mask):
+            low, obj_ptr, score, maskmem, pos = graphs.run(curr, curr_pos, memory, memory_pos, high_res)
+            self.stage_s["graphed_step"].append(self._sync_time() - t0)
+        else:
+            last = [t0]
+
+            def tick(name: str) -> None:
+                now = self._sync_time()
+                self.stage_s[name].append(now - last[0])
+                last[0] = now
+            low, obj_ptr, score, maskmem, pos = step_tensors(m, curr, curr_pos, memory, memory_pos, n_ptr, key_mask,
+                                                             high_res, sizes, tick)
         self._remember_pos(pos, m.image_size)
         maskmem = maskmem.to(torch.bfloat16)
         filled, score = self._fill_holes(low.float()), score.float()
         return [{"logits": filled[i:i + 1], "score": score[i:i + 1], "memory": Memory(maskmem[i:i + 1], obj_ptr[i:i + 1])}
                 for i in range(len(items))]
-
 
 def render(result: dict, height: int, width: int) -> dict:
     """Low-res mask scores -> the published object: COCO RLE at the stream's resolution, bbox, score."""

@@ -11,7 +11,6 @@ from pycocotools import mask as mask_utils
 
 from engine.errors import ConfigError, WeightsError
 from engine.models.sam2_model import build_sam2_model, preprocess
-from engine.models.sam2_attention import same_layout
 from engine.models.sam2_tracker import TrackingStage, Prompt, PromptError, encode, render
 from engine.core.engine import Engine
 from engine.testing.clips import decode_all, write_clip
@@ -132,9 +131,9 @@ def test_the_tracking_stage_warms_up_at_start_and_leaves_nothing_behind(model, c
     seen = []
     batch = TrackingStage._track_batch
 
-    def spy(self, items, gathered):  # the warm-up must reach the batched step, and the padded one
-        seen.append((len(items), not same_layout(gathered)))
-        return batch(self, items, gathered)
+    def spy(self, items, plans):  # the warm-up must reach the batched step, and the padded one
+        seen.append((len(items), len({(len(p.frames), len(p.ptrs)) for p in plans}) > 1))
+        return batch(self, items, plans)
     monkeypatch.setattr(TrackingStage, "_track_batch", spy)
     assert stage.warmup() > 0
     assert seen == [(1, False), (2, True)], seen
@@ -339,10 +338,10 @@ def test_one_objects_failure_fails_only_that_object_and_leaves_its_bank(model, c
     before = (dict(bank_b.cond), list(bank_b.maskmems), list(bank_b.ptrs))
     real = TrackingStage._track_batch
 
-    def broken_for_b(self, items, gathered):
+    def broken_for_b(self, items, plans):
         if any(d.stream == "b" for d in items):
             raise RuntimeError("injected failure in b's object")
-        return real(self, items, gathered)
+        return real(self, items, plans)
     monkeypatch.setattr(TrackingStage, "_track_batch", broken_for_b)
     f = frames[3]
     out = stage.step([(s, feats_of(model, f), f.shape[:2]) for s in ("a", "b")])

@@ -1,5 +1,5 @@
 """SAM 2 on a GPU (issue 24): the graphed bf16 encoder against the eager one, the key-masked memory attention
-under bf16 autocast against one call per object, and the NV12 encoder input from a CUDA ring slot.
+under bf16 autocast against one call per object, the graphed steady-state tracking step against the eager one.
 
 Marked `gpu`: skipped without CUDA, failing when VIDAR_REQUIRE_GPU=1 (conftest.py). These have NOT run: no
 development session has had a GPU. benchmarks/gpu_check.py runs them (its `tests` part).
@@ -10,10 +10,12 @@ import torch
 
 from engine.config import Sam2Config
 from engine.models.sam2 import Sam2EncoderRunner
-from engine.models.sam2_attention import memory_attention, pad_memories
+from engine.models.sam2_attention import memory_attention
 from engine.models.sam2_model import autocast, build_sam2_model
+from engine.models.sam2_tracker import Prompt, TrackingStage, encode
 from engine.testing.sam2_ref import CONFIG, make_checkpoint
 from tests.support.models import rel_err
+from tests.support.sam2_layout import pad_memories
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 SIZE = 512
@@ -61,3 +63,27 @@ def test_masked_memory_attention_under_bf16_equals_one_call_per_object(ckpt):
         mem, mpos, n_ptr, mask = pad_memories(gathered, hw)
         batched = memory_attention(model.memory_attention, curr, pos, mem, mpos, n_ptr, mask)
     assert rel_err(batched.float(), one.float()) <= 2e-2
+
+
+def test_graphed_steady_state_tracking_step_equals_the_eager_one(ckpt):
+    """The tracking stage's full-bank step replayed from real CUDA graphs under bf16 autocast against the eager
+    stage on the same features: 2 objects for 20 frames (full banks from frame 16), logits within bf16's
+    error, and the graph actually replayed."""
+    model = build_sam2_model(CONFIG, str(ckpt), SIZE, torch.device("cuda"))[0]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    with torch.inference_mode(), autocast(torch.device("cuda"), torch.bfloat16):
+        feats = [encode(model, torch.rand(1, 3, SIZE, SIZE, device="cuda", generator=g) * 2 - 1)[0] for _ in range(20)]
+    runs = []
+    for graphs in (True, False):
+        stage = TrackingStage(model, max_objects=4, dtype=torch.bfloat16, graphs=graphs)
+        stage.warmup()
+        stage.add_stream("s")
+        stage.add_object("s", Prompt(1, box=[40, 40, 300, 260]))
+        stage.add_object("s", Prompt(2, box=[200, 150, 480, 460]))
+        runs.append(([{r["id"]: r for r in stage.step([("s", f, (SIZE, SIZE))])[0]} for f in feats], stage))
+    (graphed, gs), (eager, _) = runs
+    assert gs.graphs[SIZE].captured == (1, 2, 4), gs.graphs[SIZE].dispatcher.eager_reason
+    assert gs.graphs[SIZE].replays == 4  # frames 16-19
+    for a, b in zip(graphed, eager):
+        for o in (1, 2):
+            assert rel_err(a[o]["logits"].float(), b[o]["logits"].float()) <= 2e-2
