@@ -129,9 +129,12 @@ class Pool:
         """Workers and the output stage end (after abort or drain). True if every thread ended."""
         t_end = time.monotonic() + timeout
         ok = self.slots.stop(timeout)
-        ok &= self.output.stop(max(0.1, t_end - time.monotonic()))
+        out_ok = self.output.stop(max(0.1, t_end - time.monotonic()))
         self.slots.close()
-        return ok
+        processor = self.spec.processor
+        if out_ok and processor is not None and hasattr(processor, "close"):  # never under a thread still running
+            processor.close()
+        return ok and out_ok
 
     # -- rings (core thread) ---------------------------------------------------------------------
     def attach(self, ring: FrameRing) -> None:

@@ -80,6 +80,9 @@ class PostProcessor(ABC):
         """Run once at start, before the pool's threads and any stream: pay one-time costs (allocations,
         kernel selection) here rather than on the first camera frame."""
 
+    def close(self) -> None:
+        """The pool stopped and its output thread ended: free what the processor holds (GPU memory)."""
+
     def add_stream(self, stream: str) -> None:
         """A stream starts feeding the pool."""
 

@@ -79,14 +79,20 @@ class CudaGraphBackend:
             self._stream = torch.cuda.Stream(self.device)
         side = self._stream
         with _CAPTURE_LOCK:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup_runs):
-                    fn(static_in)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=side, **_graph_kwargs()):
-                out = fn(static_in)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            current = torch.cuda.current_stream(self.device)
+            side.wait_stream(current)
+            try:
+                with torch.cuda.stream(side):
+                    for _ in range(self.warmup_runs):
+                        fn(static_in)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=side, **_graph_kwargs()):
+                    out = fn(static_in)
+            finally:
+                # torch.cuda.graph's exit ends the capture before it restores the stream: a capture that
+                # fails there would leave this thread on the side stream
+                torch.cuda.set_stream(current)
+                current.wait_stream(side)
         return graph.replay, out
 
 
@@ -113,10 +119,15 @@ class GraphDispatcher:
         logits = d.run(x)                                # x: [n, 3, 224, 224]; replays the graph of size >= n
     """
 
-    def __init__(self, forward: Forward, wanted: Sequence[int], *, backend: GraphBackend, key: str):
+    def __init__(self, forward: Forward, wanted: Sequence[int], *, backend: GraphBackend, key: str,
+                 switch: Optional[str] = None):
+        """`switch`: the config key that turns these graphs off, named when capture fails (default
+        `<key>.cuda_graphs`)."""
         if not wanted or min(wanted) < 1:
             raise ValueError(f"{key}.graph_batch_sizes: need batch sizes >= 1, got {list(wanted)!r}")
         self.forward, self.backend, self.key = forward, backend, key
+        self.switch = switch or f"{key}.cuda_graphs"
+        self.replays = 0  # batches run by a graph's replay (not the eager fallbacks)
         self.wanted: tuple[int, ...] = tuple(sorted(set(int(b) for b in wanted)))
         self.eager_reason: Optional[str] = None  # why there are no graphs, once capture was tried
         self._graphs: dict[int, tuple[Callable[[], None], Outputs]] = {}
@@ -167,8 +178,8 @@ class GraphDispatcher:
             self._graphs.clear()
             self._static_in = self._pool = None
             self.eager_reason = f"capture failed: {type(e).__name__}: {e}"
-            log.warning("%s: CUDA graphs off, every batch runs eager: %s (set cuda_graphs: false to "
-                        "skip the capture)", self.key, self.eager_reason)
+            log.warning("%s: CUDA graphs off, every batch runs eager: %s (set %s: false to skip the capture)",
+                        self.key, self.eager_reason, self.switch)
             return False
         log.info("%s: CUDA graphs captured for batch sizes %s (a batch runs in the next size up, padded; "
                  "a batch over %d runs eager)", self.key, list(self.sizes), self.sizes[-1])
@@ -193,6 +204,7 @@ class GraphDispatcher:
         self._dirty_rows = n
         replay, out = self._graphs[size]
         replay()
+        self.replays += 1
         return _rows(out, n)
 
     def _fits(self, x: torch.Tensor) -> bool:

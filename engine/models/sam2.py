@@ -231,6 +231,9 @@ class Sam2PostProcessor(PostProcessor):
     def describe(self) -> dict[str, dict]:
         return {s: {"objects": d["objects"] + d["pending"], "frame": d["frame"]} for s, d in self.stage.snapshot.items()}
 
+    def close(self) -> None:
+        self.stage.close()
+
     def counters(self) -> dict[str, dict[str, int]]:
         return {"object_failures": dict(self.stage.object_failures)}
 

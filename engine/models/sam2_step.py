@@ -37,7 +37,9 @@ from engine.models.sam2_model import autocast
 log = logging.getLogger("vidar.sam2")
 
 #: graphs for up to this many objects in a step (more run eager): at 1024 px an object's packed inputs are
-#: ~36 MB of the static buffer, so 32 objects hold ~1.1 GB of GPU memory for it
+#: ~36 MB of the static buffer, so 32 objects hold ~1.1 GB for it, and the graphs' shared pool holds the
+#: largest graph's intermediates besides (the 1024x1024 mask scores alone are 4 MB an object): several GB
+#: at 32 objects (not measured); `max_objects` bounds it, and the stage frees it at `close`
 STEP_GRAPH_CEILING = 32
 
 
@@ -95,11 +97,15 @@ class StepGraphs:
         # the full bank (sam2_memory.py): the prompt frame and num_maskmem - 1 recent mask memories; the prompt
         # frame's pointer and max_obj_ptrs_in_encoder - 1 recent ones, each `split` tokens of mem_dim
         self.frames, self.ptr_tokens = model.num_maskmem, model.max_obj_ptrs_in_encoder * split
-        self.dispatcher = GraphDispatcher(self._forward, sizes, backend=backend, key=key)
+        self.dispatcher = GraphDispatcher(self._forward, sizes, backend=backend, key=key, switch=key)
         self._parts: dict[str, _Part] = {}
         self._sizes: list[tuple[int, int]] = []
         self._keep: list[torch.Tensor] = []  # tensors the graphs read by address (RoPE tables): kept alive
-        self.replays = 0
+
+    @property
+    def replays(self) -> int:
+        """Steps run by a graph's replay (an eager fallback inside the dispatcher is not one)."""
+        return self.dispatcher.replays
 
     @property
     def captured(self) -> tuple[int, ...]:
@@ -144,7 +150,6 @@ class StepGraphs:
                 *high_res]
         x = torch.cat([r.reshape(B, -1).float() for r in rows], dim=1)
         out = self.dispatcher.run(x)
-        self.replays += 1
         return tuple(t.clone() for t in out)
 
     def _unpack(self, x: torch.Tensor, name: str) -> torch.Tensor:

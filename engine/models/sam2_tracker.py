@@ -149,6 +149,12 @@ class TrackingStage:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
+    def close(self) -> None:
+        """Free the steady-state graphs (their static buffers and memory pool) once no step can run."""
+        for graphs in self.graphs.values():
+            graphs.close()
+        self.graphs.clear()
+
     def remove_stream(self, stream: str) -> None:
         self._streams.pop(stream, None)
         self.object_failures.pop(stream, None)

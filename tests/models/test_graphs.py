@@ -321,13 +321,27 @@ def test_cuda_backend_warms_up_on_a_side_stream_then_captures_there_thread_local
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: calls.append(("set", stream.name)))
     monkeypatch.setattr("engine.models.graphs._graph_kwargs", lambda: {"capture_error_mode": "thread_local"})
-    replay, out = CudaGraphBackend(torch.device("cpu")).capture(lambda x: calls.append(("fn",)) or x * 2,
-                                                                 torch.ones(2), "pool")
+    backend = CudaGraphBackend(torch.device("cpu"))
+    replay, out = backend.capture(lambda x: calls.append(("fn",)) or x * 2, torch.ones(2), "pool")
     replay()
     assert calls == [("wait", "side", "current"), ("on", "side"), ("fn",), ("fn",),
-                     ("capture", "pool", "side", "thread_local"), ("fn",), ("wait", "current", "side"), ("replay",)]
+                     ("capture", "pool", "side", "thread_local"), ("fn",), ("set", "current"),
+                     ("wait", "current", "side"), ("replay",)]
     assert torch.equal(out, torch.full((2,), 2.0))
+    # a capture that fails (torch.cuda.graph's exit ends the capture before it restores the stream): the
+    # thread is put back on its own stream, behind the side stream's work, and the error goes on
+    calls.clear()
+
+    def syncs(x):
+        calls.append(("fn",))
+        if sum(c == ("fn",) for c in calls) == 3:  # the captured run
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x
+    with pytest.raises(RuntimeError, match="capturing"):
+        backend.capture(syncs, torch.ones(2), "pool")
+    assert calls[-2:] == [("set", "current"), ("wait", "current", "side")], calls
 
 
 def test_max_batch_auto_captures_up_to_the_sweep_ceiling(model):

@@ -67,23 +67,38 @@ def test_masked_memory_attention_under_bf16_equals_one_call_per_object(ckpt):
 
 def test_graphed_steady_state_tracking_step_equals_the_eager_one(ckpt):
     """The tracking stage's full-bank step replayed from real CUDA graphs under bf16 autocast against the eager
-    stage on the same features: 2 objects for 20 frames (full banks from frame 16), logits within bf16's
-    error, and the graph actually replayed."""
+    stage on the same features: objects 1 and 2 from frame 0, 3 from frame 2, 2 removed at frame 20, so the
+    graph of 4 (3 objects, padded) replays at frames 18-19 and the graph of 2 at 20-23 (rows a larger batch
+    left behind re-zeroed); logits and the stored memories within bf16's error."""
     model = build_sam2_model(CONFIG, str(ckpt), SIZE, torch.device("cuda"))[0]
     g = torch.Generator(device="cuda").manual_seed(2)
     with torch.inference_mode(), autocast(torch.device("cuda"), torch.bfloat16):
-        feats = [encode(model, torch.rand(1, 3, SIZE, SIZE, device="cuda", generator=g) * 2 - 1)[0] for _ in range(20)]
+        feats = [encode(model, torch.rand(1, 3, SIZE, SIZE, device="cuda", generator=g) * 2 - 1)[0] for _ in range(24)]
+    boxes = {1: [40, 40, 300, 260], 2: [200, 150, 480, 460], 3: [100, 260, 400, 500]}
     runs = []
     for graphs in (True, False):
         stage = TrackingStage(model, max_objects=4, dtype=torch.bfloat16, graphs=graphs)
         stage.warmup()
         stage.add_stream("s")
-        stage.add_object("s", Prompt(1, box=[40, 40, 300, 260]))
-        stage.add_object("s", Prompt(2, box=[200, 150, 480, 460]))
-        runs.append(([{r["id"]: r for r in stage.step([("s", f, (SIZE, SIZE))])[0]} for f in feats], stage))
-    (graphed, gs), (eager, _) = runs
-    assert gs.graphs[SIZE].captured == (1, 2, 4), gs.graphs[SIZE].dispatcher.eager_reason
-    assert gs.graphs[SIZE].replays == 4  # frames 16-19
+        out = []
+        for t, f in enumerate(feats):
+            for o in {0: (1, 2), 2: (3,)}.get(t, ()):
+                stage.add_object("s", Prompt(o, box=boxes[o]))
+            if t == 20:
+                stage.remove_object("s", 2)
+            out.append({r["id"]: r for r in stage.step([("s", f, (SIZE, SIZE))])[0]})
+        runs.append((out, stage))
+    (graphed, gs), (eager, es) = runs
+    d = gs.graphs[SIZE].dispatcher
+    assert gs.graphs[SIZE].captured == (1, 2, 4), d.eager_reason
+    assert d.replays == 6 and not d._mismatch_logged  # frames 18-23, each a real replay
     for a, b in zip(graphed, eager):
-        for o in (1, 2):
+        assert a.keys() == b.keys()
+        for o in a:
             assert rel_err(a[o]["logits"].float(), b[o]["logits"].float()) <= 2e-2
+    for o, bank in gs._streams["s"].objects.items():
+        other = dict(es._streams["s"].objects[o].maskmems)
+        for t, mem in bank.maskmems:
+            assert rel_err(mem.maskmem.float(), other[t].maskmem.float()) <= 2e-2, (o, t)
+    gs.close()
+    assert gs.graphs == {}

@@ -61,7 +61,7 @@ def test_full_banks_replay_a_graph_and_equal_the_eager_step(model, feats, eager)
     # objects 1 and 2 are full from frame 16 and object 3's from 18; from then on every step replays
     replayed = [b for b, _ in backend.replays]
     assert replayed == [4] * 2 + [2] * 4, replayed  # 3 objects padded to 4 (frames 18, 19), then 2 (20-23)
-    assert graphs.replays == 6 and len(stage.stage_s["graphed_step"]) == 6
+    assert graphs.replays == 6 and len(stage.stage_s["graphed_step"]) == 6  # replays, not eager fallbacks
     ref = eager[1]
     for t in out:
         assert out[t].keys() == ref[t].keys(), t
@@ -77,7 +77,7 @@ def test_full_banks_replay_a_graph_and_equal_the_eager_step(model, feats, eager)
 
 
 @pytest.mark.timeout(300)
-def test_a_padded_step_a_degrade_size_or_a_failed_capture_runs_eager(model, feats):
+def test_a_padded_step_a_step_over_the_graphs_or_a_failed_capture_runs_eager(model, feats):
     backend = FakeBackend(fail_at=2)
     stage = TrackingStage(model, max_objects=4, graphs=True, graph_backend=backend)
     stage.warmup()
@@ -91,8 +91,20 @@ def test_a_padded_step_a_degrade_size_or_a_failed_capture_runs_eager(model, feat
     # a step that is not the steady state is not served: banks of different lengths, or not yet full
     g = TrackingStage(model, max_objects=4, graphs=True, graph_backend=FakeBackend()).graphs[SIZE]
     hw = (SIZE // 16) ** 2
-    assert g.memory_length(hw) == 7 * hw + 64  # num_maskmem frames; 16 pointers of 4 tokens
-    assert not g.serves(1, g.memory_length(hw), 64, None)  # nothing captured yet
+    full = g.memory_length(hw)
+    assert full == 7 * hw + 64  # num_maskmem frames; 16 pointers of 4 tokens
+    assert not g.serves(1, full, 64, None)  # nothing captured yet
+    captured = TrackingStage(model, max_objects=4, graphs=True, graph_backend=FakeBackend())
+    captured.warmup()
+    g = captured.graphs[SIZE]
+    assert g.serves(1, full, 64, None) and g.serves(3, full, 64, None)
+    assert not g.serves(2, full, 64, torch.ones(2, full, dtype=torch.bool))  # padded banks: masked, eager
+    assert not g.serves(1, full, 60, None) and not g.serves(1, full - hw, 64, None)  # not full yet
+    assert not g.serves(5, full, 64, None)  # over the largest graph (4)
+    # a degrade size has no graphs: its steps run eager
+    assert set(captured.graphs) == {SIZE}
+    captured.close()
+    assert captured.graphs == {} and g.captured == ()
 
 
 @pytest.mark.timeout(300)
