@@ -14,6 +14,8 @@ empty), two box prompts per stream on the 720p clip:
   sam2_live      vidar live, 4, 8 and 16 streams x 1 object at 30 FPS, 100 ms budget: goodput, p99, drops
   sam2_profile   8 x 2 offline with the tracking sub-stages timed (memory attention, mask decoder, memory
                  encoder), the encoder's batch times and the tracking calls' batch sizes: where the time goes
+  sam2_render    one 720p frame's 2 masks rendered (resize, RLE, bbox): the run boundaries found on the GPU
+                 (mask_rle.py) against the whole masks copied to the host for pycocotools, ms each
 The same offline and live records at 512 px follow. The dry run: 256 px, a few frames, one or two streams.
 """
 
@@ -32,6 +34,39 @@ from benchmarks.window import window_counts
 
 # two boxes as shares of the frame (x0, y0, x1, y1): on the 1280x720 clip, two regions of the bunny's meadow
 BOXES = {1: (0.30, 0.20, 0.55, 0.78), 2: (0.60, 0.36, 0.85, 0.89)}
+
+
+def render_times(device: str, reps: int) -> dict:
+    """render_frame for 2 objects, 256 x 256 mask logits to 1280 x 720: the device's RLE (mask_rle.py) against
+    pycocotools on masks copied to the host (the path CPU masks take), medians in ms, results checked equal."""
+    import torch
+
+    from engine.models import sam2_tracker
+    g = torch.Generator(device=device).manual_seed(0)
+    objs = [{"id": i, "logits": torch.randn(1, 1, 256, 256, device=device, generator=g) * 4
+             + torch.linspace(-8, 8, 256, device=device) * (1 if i else -1), "score": torch.zeros(1, 1, device=device)}
+            for i in range(2)]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    flag = sam2_tracker.DEVICE_RLE
+    out = {}
+    try:
+        for name, args, device_rle in (("device_rle_ms", objs, True), ("host_rle_ms", objs, False)):
+            sam2_tracker.DEVICE_RLE = device_rle
+            times = []
+            for _ in range(reps + 1):
+                if name == "host_rle_ms":  # the host path starts from the device's masks: the copy counts
+                    args = [{**o, "logits": o["logits"].cpu(), "score": o["score"].cpu()} for o in objs]
+                sync()
+                t0 = time.perf_counter()
+                got = sam2_tracker.render_frame(args, 720, 1280)
+                times.append(time.perf_counter() - t0)
+            out[name] = round(float(np.median(times[1:])) * 1e3, 3)
+            out.setdefault("_results", []).append(got)
+    finally:
+        sam2_tracker.DEVICE_RLE = flag
+    a, b = out.pop("_results")
+    out["equal"] = a == b
+    return out
 
 
 def boxes(width: int, height: int) -> dict[int, list[int]]:
@@ -190,6 +225,7 @@ def part_sam2(emit: Callable[..., None], *, clip: Path, dry: bool) -> None:
     first_frames(clip, 8 if dry else 90, live_clip, fps=30)  # 30 FPS cameras, looped
     wh = (frames[0].shape[1], frames[0].shape[0])
     prompts = {o: {"box": b} for o, b in boxes(*wh).items()}
+    emit("sam2_render", **render_times(device, reps=3 if dry else 30))
     for size in ((256,) if dry else (1024, 512)):
         timing: dict = {}
         ref = reference_masks(ckpt, frames, prompts, work / f"ref{size}", timing=timing, device=device,

@@ -1,5 +1,6 @@
 """SAM 2 on a GPU (issue 24): the graphed bf16 encoder against the eager one, the key-masked memory attention
-under bf16 autocast against one call per object, the graphed steady-state tracking step against the eager one.
+under bf16 autocast against one call per object, the graphed steady-state tracking step against the eager one,
+the masks' RLE found on the GPU against pycocotools.
 
 Marked `gpu`: skipped without CUDA, failing when VIDAR_REQUIRE_GPU=1 (conftest.py). These have NOT run: no
 development session has had a GPU. benchmarks/gpu_check.py runs them (its `tests` part).
@@ -102,3 +103,16 @@ def test_graphed_steady_state_tracking_step_equals_the_eager_one(ckpt):
             assert rel_err(mem.maskmem.float(), other[t].maskmem.float()) <= 2e-2, (o, t)
     gs.close()
     assert gs.graphs == {}
+
+
+def test_masks_encoded_on_the_gpu_equal_pycocotools():
+    """render_frame on CUDA logits: the run boundaries found on the GPU (mask_rle.py), the same objects as
+    pycocotools on the host."""
+    from engine.models.sam2_tracker import render, render_frame
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    objs = [{"id": i, "logits": torch.randn(1, 1, 256, 256, device="cuda", generator=g) * 4
+             + torch.linspace(-8, 8, 256, device="cuda"), "score": torch.zeros(1, 1, device="cuda")} for i in range(3)]
+    got = render_frame(objs, 720, 1280)
+    assert got == [render(o, 720, 1280) for o in objs]  # render: the same resize on CUDA, then pycocotools
+    assert all(o["bbox"] is not None for o in got)
