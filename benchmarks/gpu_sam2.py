@@ -37,8 +37,9 @@ BOXES = {1: (0.30, 0.20, 0.55, 0.78), 2: (0.60, 0.36, 0.85, 0.89)}
 
 
 def render_times(device: str, reps: int) -> dict:
-    """render_frame for 2 objects, 256 x 256 mask logits to 1280 x 720: the device's RLE (mask_rle.py) against
-    pycocotools on masks copied to the host (the path CPU masks take), medians in ms, results checked equal."""
+    """render_frame for 2 objects, 256 x 256 mask logits on `device` to 1280 x 720: the RLE found on the device
+    (mask_rle.py) against the whole masks copied to the host for pycocotools (what the GPU path did before),
+    medians in ms, results checked equal."""
     import torch
 
     from engine.models import sam2_tracker
@@ -47,25 +48,22 @@ def render_times(device: str, reps: int) -> dict:
              + torch.linspace(-8, 8, 256, device=device) * (1 if i else -1), "score": torch.zeros(1, 1, device=device)}
             for i in range(2)]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    flag = sam2_tracker.DEVICE_RLE
-    out = {}
+    flag = sam2_tracker.RLE_ON_DEVICE
+    out, results = {}, []
     try:
-        for name, args, device_rle in (("device_rle_ms", objs, True), ("host_rle_ms", objs, False)):
-            sam2_tracker.DEVICE_RLE = device_rle
+        for name, on_device in (("device_rle_ms", True), ("host_rle_ms", False)):
+            sam2_tracker.RLE_ON_DEVICE = on_device
             times = []
             for _ in range(reps + 1):
-                if name == "host_rle_ms":  # the host path starts from the device's masks: the copy counts
-                    args = [{**o, "logits": o["logits"].cpu(), "score": o["score"].cpu()} for o in objs]
                 sync()
                 t0 = time.perf_counter()
-                got = sam2_tracker.render_frame(args, 720, 1280)
+                got = sam2_tracker.render_frame(objs, 720, 1280)
                 times.append(time.perf_counter() - t0)
             out[name] = round(float(np.median(times[1:])) * 1e3, 3)
-            out.setdefault("_results", []).append(got)
+            results.append(got)
     finally:
-        sam2_tracker.DEVICE_RLE = flag
-    a, b = out.pop("_results")
-    out["equal"] = a == b
+        sam2_tracker.RLE_ON_DEVICE = flag
+    out["equal"] = results[0] == results[1]
     return out
 
 

@@ -490,10 +490,11 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
     logits = torch.cat([r["logits"] for r in results]).float()
     video = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)[:, 0] > 0
     scores = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float()).tolist()
-    if video.device.type != "cpu" or DEVICE_RLE:
+    on_device = video.device.type != "cpu" if RLE_ON_DEVICE is None else RLE_ON_DEVICE
+    if on_device:
         rles, boxes = encode_masks(video)
     else:  # on the CPU pycocotools' C encoder is faster: a 720p frame's 2 masks 7 ms against 15 (RESULTS.md)
-        binary = video.numpy()  # (N, H, W) bool
+        binary = video.cpu().numpy()  # (N, H, W) bool
         rles = [{"size": [int(height), int(width)], "counts": r["counts"].decode()}
                 for r in mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0).astype(np.uint8)))]
         rows, cols = binary.any(axis=2), binary.any(axis=1)  # (N, H), (N, W)
@@ -505,8 +506,10 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
             for k, r in enumerate(results)]
 
 
-#: run the device encoder (mask_rle.py) on CPU masks too: tests set it to exercise the GPU path's ops
-DEVICE_RLE = False
+#: where render_frame finds the RLE: None = with the masks' device (torch ops on a GPU, pycocotools on the CPU);
+#: True = the torch ops anywhere (tests run the GPU path's ops on CPU tensors); False = the whole masks copied to
+#: the host for pycocotools (gpu_check times it against the device path: what the GPU path did before)
+RLE_ON_DEVICE: Optional[bool] = None
 
 
 def backbone(model: torch.nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -90,7 +90,7 @@ def test_render_frame_equals_render_per_object(monkeypatch, device_rle, shapes):
     GPU runs), and the same as rendering each object alone."""
     from engine.models import sam2_tracker
 
-    monkeypatch.setattr(sam2_tracker, "DEVICE_RLE", device_rle)
+    monkeypatch.setattr(sam2_tracker, "RLE_ON_DEVICE", device_rle)
     objs = _objects(shapes)
     got = sam2_tracker.render_frame(objs, 90, 160)
     assert got == [sam2_tracker.render(o, 90, 160) for o in objs]
