@@ -164,7 +164,8 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     sam2 = {x["part"]: x for x in lines if x["part"].startswith("sam2_")}
     assert set(sam2) == {"sam2_render", "sam2_meta", "sam2_fidelity", "sam2_profile", "sam2_offline", "sam2_live"}
     # the masks' two encoders agree (on the CPU: the torch ops a GPU runs, and pycocotools)
-    assert sam2["sam2_render"]["equal"] is True and sam2["sam2_render"]["device_rle_ms"] > 0, sam2["sam2_render"]
+    assert sam2["sam2_render"]["equal"] is True, sam2["sam2_render"]
+    assert sam2["sam2_render"]["device_rle_ms"] > 0 and sam2["sam2_render"]["host_rle_ms"] > 0, sam2["sam2_render"]
     # the profile says where a step's time goes: each timed sub-stage and one tracking call per step
     assert {"memory_attention", "mask_decoder", "memory_encoder"} <= set(sam2["sam2_profile"]["stage_ms"]), \
         sam2["sam2_profile"]

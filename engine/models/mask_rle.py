@@ -2,11 +2,13 @@
 
 COCO's RLE (what vidar publishes, `pycocotools.mask`) is the run lengths of the mask read in column-major
 order, starting with a run of zeros. pycocotools computes them from a host array, so on a GPU every mask
-would first cross to the host whole: 0.9 MB per object per 720p frame, on the tracking stage's thread,
-which a pageable copy also makes wait for the GPU. Here the run boundaries are found with torch ops on
-the mask's own device (`!=` of neighbours, `nonzero`) and only they cross (a few hundred integers for a
-blob: two per column it spans), with the bounding boxes' row and column flags. pycocotools still writes
-the string (`frPyObjects` on the uncompressed counts), so the format is its own, not ours.
+would first cross to the host whole: 0.9 MB per object per 720p frame, on the tracking stage's thread.
+Here the run boundaries are found with torch ops on the mask's own device (`!=` of neighbours, `nonzero`)
+and only they cross, 4 bytes each (a blob has two per column it spans: ~3 KB for a 400-column blob), with
+H + W + 1 flag bytes per mask for the first pixel and the bounding box. The host still waits for the GPU
+once per frame (`nonzero` must know its size), as the whole-mask copy did: what changes is the bytes
+copied and the host's work. pycocotools still writes the string (`frPyObjects` on the uncompressed
+counts), so the format is its own, not ours.
 
 The same torch ops run on CPU tensors: `tests/models/test_mask_rle.py` holds them equal to
 `pycocotools.mask.encode` on the same masks.
@@ -33,15 +35,22 @@ def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[i
     if n == 0:
         return [], []
     flat = binary.transpose(1, 2).reshape(n, h * w)  # column-major, as COCO's RLE reads a mask
-    # (mask k, p): pixel p + 1 differs from pixel p. One sync (nonzero's size), then a copy of the boundaries.
-    change = (flat[:, 1:] != flat[:, :-1]).nonzero()
-    # One copy for the small per-mask flags: the first pixel's value, which rows and which columns are set.
-    flags = torch.cat([flat[:, :1], binary.any(dim=2), binary.any(dim=1)], dim=1).cpu().numpy()
-    change = change.cpu().numpy()
-    per_mask = np.searchsorted(change[:, 0], np.arange(n + 1))  # rows of `change` are ordered by mask
+    # Per mask: its first pixel, which rows and which columns are set. Queued before `nonzero`, whose wait for
+    # its size then covers them: the copies after it wait for nothing new.
+    flags = torch.cat([flat[:, :1], binary.any(dim=2), binary.any(dim=1)], dim=1)
+    # i = k * (H*W - 1) + p: pixel p + 1 of mask k differs from pixel p. One flat index (int32 when it fits)
+    # is half the bytes of nonzero's (k, p) pairs.
+    step = h * w - 1
+    change = (flat[:, 1:] != flat[:, :-1]).reshape(-1).nonzero().squeeze(1)
+    if n * step < 2 ** 31:
+        change = change.to(torch.int32)
+    flags = flags.cpu().numpy()
+    change = change.cpu().numpy().astype(np.int64)
+    mask_of, pos = np.divmod(change, max(step, 1))
+    per_mask = np.searchsorted(mask_of, np.arange(n + 1))  # nonzero's indices are ascending: mask by mask
     rles, boxes = [], []
     for k in range(n):
-        ends = change[per_mask[k]:per_mask[k + 1], 1].astype(np.int64) + 1  # where each run but the last ends
+        ends = pos[per_mask[k]:per_mask[k + 1]] + 1  # where each run but the last ends
         bounds = np.concatenate([[0], ends, [h * w]])
         counts = np.diff(bounds)
         if flags[k, 0]:  # COCO's counts start with zeros: a mask that starts set begins with a run of 0

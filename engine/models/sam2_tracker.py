@@ -489,7 +489,8 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
         return [obj for r in results for obj in render_frame([r], height, width)]
     logits = torch.cat([r["logits"] for r in results]).float()
     video = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)[:, 0] > 0
-    scores = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float()).tolist()
+    # queued before the RLE's one wait for the GPU (mask_rle.py), read after it
+    scores_t = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float())
     on_device = video.device.type != "cpu" if RLE_ON_DEVICE is None else RLE_ON_DEVICE
     if on_device:
         rles, boxes = encode_masks(video)
@@ -502,6 +503,7 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
         for k in range(len(results)):
             ys, xs = np.flatnonzero(rows[k]), np.flatnonzero(cols[k])
             boxes.append([int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1] if xs.size else None)
+    scores = scores_t.tolist()
     return [{"id": int(r["id"]), "mask": rles[k], "bbox": boxes[k], "score": float(scores[k])}
             for k, r in enumerate(results)]
 

@@ -105,14 +105,32 @@ def test_graphed_steady_state_tracking_step_equals_the_eager_one(ckpt):
     assert gs.graphs == {}
 
 
-def test_masks_encoded_on_the_gpu_equal_pycocotools():
-    """render_frame on CUDA logits: the run boundaries found on the GPU (mask_rle.py), the same objects as
-    pycocotools on the host."""
-    from engine.models.sam2_tracker import render, render_frame
+def test_masks_encoded_on_the_gpu_equal_pycocotools(monkeypatch):
+    """The RLE found on the GPU (mask_rle.py): on exact masks equal to pycocotools on the host, string for
+    string; through render_frame, forced onto the device path, equal to rendering each object with
+    pycocotools after the same resize on CUDA."""
+    import numpy as np
+    from pycocotools import mask as mask_utils
 
+    from engine.models import sam2_tracker
+    from engine.models.mask_rle import encode_masks
+
+    h, w = 45, 64
+    yy, xx = np.mgrid[:h, :w]
+    corner = np.zeros((h, w), bool)
+    corner[0, 0] = True
+    masks = np.stack([np.zeros((h, w), bool), np.ones((h, w), bool), corner,
+                      (yy - 20) ** 2 + (xx - 30) ** 2 < 144, np.random.default_rng(0).random((h, w)) < 0.5])
+    ref = mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0).astype(np.uint8)))
+    rles, _ = encode_masks(torch.from_numpy(masks).cuda())
+    assert rles == [{"size": [h, w], "counts": r["counts"].decode()} for r in ref]
+
+    monkeypatch.setattr(sam2_tracker, "RLE_ON_DEVICE", True)
     g = torch.Generator(device="cuda").manual_seed(0)
     objs = [{"id": i, "logits": torch.randn(1, 1, 256, 256, device="cuda", generator=g) * 4
-             + torch.linspace(-8, 8, 256, device="cuda"), "score": torch.zeros(1, 1, device="cuda")} for i in range(3)]
-    got = render_frame(objs, 720, 1280)
-    assert got == [render(o, 720, 1280) for o in objs]  # render: the same resize on CUDA, then pycocotools
+             + torch.linspace(-8, 8, 256, device="cuda") * (1 if i % 2 else -1),
+             "score": torch.zeros(1, 1, device="cuda")} for i in range(3)]
+    got = sam2_tracker.render_frame(objs, 720, 1280)
+    # render: the same resize on CUDA, then the whole mask to the host for pycocotools
+    assert got == [sam2_tracker.render(o, 720, 1280) for o in objs]
     assert all(o["bbox"] is not None for o in got)
