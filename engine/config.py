@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -631,6 +632,27 @@ def ring_shortfalls(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
             out.append(f"pool {name}: its {len(streams)} stream(s) offer at most {offer} frames at once "
                        f"(ring.max_slots - 1 = {cfg.ring.max_slots - 1} each), under its max_batch "
                        f"({max_batch}): its batches will be smaller; raise ring.max_slots for full batches")
+    return out
+
+
+def ring_needs(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
+    """What each pool's chosen batch asks of the rings, as info lines for the start log (`vidar run` says what
+    it chose and why; issue 23 item 6). Ring sizes are not derived from the model's curve: a ring holds up to
+    `ring.max_slots` slots within `ring.memory_mb`, and what a stream needs at once follows from the batch
+    (its share of a cross-stream batch, plus its decoder's slot) and, live, from the budget (a frame older than
+    budget.latency_ms is dropped, so a 60 fps stream never holds more than the frames of that window)."""
+    out = []
+    live_frames = math.ceil(cfg.budget.latency_ms * 60 / 1000)
+    for name, max_batch in batches.items():
+        streams = [s for s in cfg.streams if s.pools is None or name in s.pools]
+        if not streams:
+            continue
+        share = math.ceil(max_batch / len(streams))
+        out.append(f"pool {name}: rings of up to {cfg.ring.max_slots} slots per stream (ring.max_slots, within "
+                   f"ring.memory_mb {cfg.ring.memory_mb:g} MB); a batch of {max_batch} across its {len(streams)} "
+                   f"stream(s) takes {share} frame(s) of each at once, plus 1 slot for the decoder; a live 60 fps "
+                   f"stream has {live_frames} frame(s) arriving within budget.latency_ms "
+                   f"({cfg.budget.latency_ms:g} ms) to hold, plus the one being decoded")
     return out
 
 

@@ -172,3 +172,22 @@ def test_a_ring_too_small_for_a_full_batch_is_said_at_start_not_refused(streams,
         assert said == [f"pool classify: its {streams} stream(s) offer at most {streams * (max_slots - 1)} frames at "
                         f"once (ring.max_slots - 1 = {max_slots - 1} each), under its max_batch (8): its "
                         "batches will be smaller; raise ring.max_slots for full batches"]
+
+
+@pytest.mark.timeout(30)
+def test_the_start_log_says_what_each_pools_batch_asks_of_the_rings():
+    """`vidar run` says what it chose and why (issue 23 item 6): per pool, the rings' size, each stream's share
+    of the chosen batch, and what a live 60 fps stream holds within the budget."""
+    from engine.config import ring_needs
+    cfg, _ = build_config({"streams": [{"id": f"s{i}", "url": "synthetic://shapes", "pools": ["classify"]}
+                                       for i in range(3)] + [{"id": "x", "url": "synthetic://shapes", "pools": ["sam2"]}],
+                           "models": {"classify": {"max_batch": 8}, "sam2": {"checkpoint": "random"}},
+                           "budget": {"latency_ms": 17},
+                           "ring": {"max_slots": 6}})
+    said = ring_needs(cfg, {"classify": 8, "sam2": 4, "empty": 2})
+    assert said[0] == ("pool classify: rings of up to 6 slots per stream (ring.max_slots, within ring.memory_mb 64 MB); "
+                       "a batch of 8 across its 3 stream(s) takes 3 frame(s) of each at once, plus 1 slot for the "
+                       "decoder; a live 60 fps stream has 2 frame(s) arriving within budget.latency_ms (17 ms) to hold, plus "
+                       "the one being decoded")
+    assert said[1].startswith("pool sam2: ") and "a batch of 4 across its 1 stream(s) takes 4 frame(s)" in said[1]
+    assert len(said) == 2  # a pool with no configured stream says nothing

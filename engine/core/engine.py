@@ -17,7 +17,7 @@ from typing import Optional
 import zmq
 
 from engine.security.binds import exposure_error, exposure_warning
-from engine.config import EngineConfig, ring_shortfalls
+from engine.config import EngineConfig, ring_needs, ring_shortfalls
 from engine.core.loop import EngineCore
 from engine.core.requests import AddStream, Stop
 from engine.errors import ConfigError, ControlError, EngineDeadError
@@ -104,7 +104,10 @@ class Engine:
                         budget_s=cfg.budget.latency_ms / 1e3)
             pool.warmup()
             self.pools[name] = pool
-        for warning in ring_shortfalls(cfg, {name: p.scheduler.max_batch for name, p in self.pools.items()}):
+        batches = {name: p.scheduler.max_batch for name, p in self.pools.items()}
+        for line in ring_needs(cfg, batches):
+            log.info("%s", line)
+        for warning in ring_shortfalls(cfg, batches):
             log.warning("%s", warning)
         if cfg.publish.min_subscribers:
             log.info("waiting up to %.0f s for %d subscriber(s) on %s", cfg.publish.wait_subscribers_s,

@@ -140,9 +140,12 @@ def test_an_ended_streams_eos_does_not_wait_for_a_busy_pool(endpoint):
     assert msgs[-1]["kind"] == "eos" and msgs[-1]["t"] - msgs[-2]["t_publish"] < 1.0
 
 
-def test_one_offline_stream_with_fewer_slots_than_a_batch_still_delivers_every_frame(endpoint):
+def test_one_offline_stream_with_fewer_slots_than_a_batch_still_delivers_every_frame(endpoint, caplog):
     """ring.max_slots under max_batch is allowed (batches are formed across streams; ring_shortfalls says
-    so at start): a lone offline stream then runs in smaller batches, and loses nothing."""
+    so at start, after ring_needs' line of what the batch asks): a lone offline stream then runs in smaller
+    batches, and loses nothing."""
+    import logging
+    caplog.set_level(logging.INFO, logger="vidar")
     cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=32x32&fps=30&frames=40", "mode": "offline"}],
                         endpoint, models={"classify": {"max_batch": 8}}, ring={"min_slots": 2, "max_slots": 3})
     sizes = []
@@ -156,6 +159,9 @@ def test_one_offline_stream_with_fewer_slots_than_a_batch_still_delivers_every_f
     s = snap(eng, "s")
     assert (s.ingested, s.published) == (40, 40)
     assert sum(sizes) == 40 and max(sizes) <= 3  # never more frames of one stream at once than its slots
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if r.getMessage().startswith("pool classify: ")]
+    assert ("INFO", "pool classify: rings of up to 3 slots per stream") in [(lv, m.split(" (")[0]) for lv, m in said]
+    assert any(lv == "WARNING" and "offer at most 2 frames at once" in m for lv, m in said), said
 
 
 def test_a_streams_state_says_where_its_video_is_decoded_and_why(endpoint, clip48):
