@@ -626,7 +626,7 @@ def ring_shortfalls(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
     budget.max_batch_wait_ms), so this is said, not refused. Streams added at run time are not counted."""
     out = []
     for name, max_batch in batches.items():
-        streams = [s for s in cfg.streams if s.pools is None or name in s.pools]
+        streams = _pool_streams(cfg, name)
         offer = len(streams) * (cfg.ring.max_slots - 1)
         if streams and offer < max_batch:
             out.append(f"pool {name}: its {len(streams)} stream(s) offer at most {offer} frames at once "
@@ -644,7 +644,7 @@ def ring_needs(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
     out = []
     live_frames = math.ceil(cfg.budget.latency_ms * 60 / 1000)
     for name, max_batch in batches.items():
-        streams = [s for s in cfg.streams if s.pools is None or name in s.pools]
+        streams = _pool_streams(cfg, name)
         if not streams:
             continue
         share = math.ceil(max_batch / len(streams))
@@ -654,6 +654,11 @@ def ring_needs(cfg: "EngineConfig", batches: dict[str, int]) -> list[str]:
                    f"stream has {live_frames} frame(s) arriving within budget.latency_ms "
                    f"({cfg.budget.latency_ms:g} ms) to hold, plus the one being decoded")
     return out
+
+
+def _pool_streams(cfg: "EngineConfig", pool: str) -> list:
+    """The configured streams a pool serves (a stream without `pools` feeds every pool)."""
+    return [s for s in cfg.streams if s.pools is None or pool in s.pools]
 
 
 def set_dotted(tree: dict, dotted: str, value: Any) -> None:

@@ -11,7 +11,8 @@ copied and the host's work. pycocotools still writes the string (`frPyObjects` o
 counts), so the format is its own, not ours.
 
 The same torch ops run on CPU tensors: `tests/models/test_mask_rle.py` holds them equal to
-`pycocotools.mask.encode` on the same masks.
+`pycocotools.mask.encode` on the same masks. On the CPU pycocotools' own C encoder is faster
+(`encode_masks_host`, what render_frame runs there).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-__all__ = ["encode_masks"]
+__all__ = ["encode_masks", "encode_masks_host"]
 
 
 def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[int]]]]:
@@ -57,6 +58,23 @@ def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[i
             counts = np.concatenate([[0], counts])
         rle = mask_utils.frPyObjects({"size": [h, w], "counts": counts.tolist()}, h, w)
         rles.append({"size": [h, w], "counts": rle["counts"].decode()})
-        ys, xs = np.flatnonzero(flags[k, 1:1 + h]), np.flatnonzero(flags[k, 1 + h:])
-        boxes.append([int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1] if xs.size else None)
+        boxes.append(_bbox(flags[k, 1:1 + h], flags[k, 1 + h:]))
     return rles, boxes
+
+
+def encode_masks_host(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[int]]]]:
+    """`encode_masks` by pycocotools on the whole masks, copied to the host first if they are not there."""
+    from pycocotools import mask as mask_utils
+
+    n, h, w = binary.shape
+    masks = binary.cpu().numpy()  # (N, H, W) bool
+    rles = [{"size": [h, w], "counts": r["counts"].decode()}
+            for r in mask_utils.encode(np.asfortranarray(masks.transpose(1, 2, 0).astype(np.uint8)))]
+    rows, cols = masks.any(axis=2), masks.any(axis=1)  # (N, H), (N, W)
+    return rles, [_bbox(rows[k], cols[k]) for k in range(n)]
+
+
+def _bbox(rows: np.ndarray, cols: np.ndarray) -> Optional[list[int]]:
+    """[x0, y0, x1, y1] (exclusive ends) from which rows and which columns are set; None when none is."""
+    ys, xs = np.flatnonzero(rows), np.flatnonzero(cols)
+    return [int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1] if xs.size else None

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.graphs import CudaGraphBackend, GraphBackend
-from engine.models.mask_rle import encode_masks
+from engine.models.mask_rle import encode_masks, encode_masks_host
 from engine.models.sam2_gather import MemoryPlan, gather, plan_memory
 from engine.models.sam2_step import StepGraphs, step_graph_sizes, step_tensors
 from engine.models.sam2_memory import FrameFeatures, Memory, ObjectBank, Prompt, PromptError, StreamTrack
@@ -481,8 +481,6 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
     """`render` for all objects of one frame at once: one resize for all their masks, the bbox from row and
     column maxima (no pixel list), one RLE call; the same output as `render` on each. On a GPU the masks
     stay there: only their run boundaries come to the host (mask_rle.py)."""
-    from pycocotools import mask as mask_utils
-
     if not results:
         return []
     if len({r["logits"].shape for r in results}) > 1:  # masks at different sizes cannot share one resize
@@ -492,17 +490,8 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
     # queued before the RLE's one wait for the GPU (mask_rle.py), read after it
     scores_t = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float())
     on_device = video.device.type != "cpu" if RLE_ON_DEVICE is None else RLE_ON_DEVICE
-    if on_device:
-        rles, boxes = encode_masks(video)
-    else:  # on the CPU pycocotools' C encoder is faster: a 720p frame's 2 masks 8 ms against 16 (RESULTS.md)
-        binary = video.cpu().numpy()  # (N, H, W) bool
-        rles = [{"size": [int(height), int(width)], "counts": r["counts"].decode()}
-                for r in mask_utils.encode(np.asfortranarray(binary.transpose(1, 2, 0).astype(np.uint8)))]
-        rows, cols = binary.any(axis=2), binary.any(axis=1)  # (N, H), (N, W)
-        boxes = []
-        for k in range(len(results)):
-            ys, xs = np.flatnonzero(rows[k]), np.flatnonzero(cols[k])
-            boxes.append([int(xs[0]), int(ys[0]), int(xs[-1]) + 1, int(ys[-1]) + 1] if xs.size else None)
+    # on the CPU pycocotools' C encoder is faster: a 720p frame's 2 masks 8 ms against 16 (RESULTS.md)
+    rles, boxes = encode_masks(video) if on_device else encode_masks_host(video)
     scores = scores_t.tolist()
     return [{"id": int(r["id"]), "mask": rles[k], "bbox": boxes[k], "score": float(scores[k])}
             for k, r in enumerate(results)]
