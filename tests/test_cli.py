@@ -162,7 +162,8 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     # max_batch auto, said with the estimate it chose on
     assert f"batch {live['max_batch']}'s estimate is" in live["why"] and "1" in live["warmup_ms"]
     sam2 = {x["part"]: x for x in lines if x["part"].startswith("sam2_")}
-    assert set(sam2) == {"sam2_render", "sam2_meta", "sam2_fidelity", "sam2_profile", "sam2_offline", "sam2_live"}
+    assert set(sam2) == {"sam2_render", "sam2_encoder", "sam2_attention", "sam2_meta", "sam2_fidelity",
+                         "sam2_profile", "sam2_offline", "sam2_live", "sam2_capacity"}
     # the masks' two encoders agree (on the CPU: the torch ops a GPU runs, and pycocotools)
     assert sam2["sam2_render"]["equal"] is True, sam2["sam2_render"]
     assert sam2["sam2_render"]["device_rle_ms"] > 0 and sam2["sam2_render"]["host_rle_ms"] > 0, sam2["sam2_render"]
@@ -171,8 +172,21 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
         sam2["sam2_profile"]
     assert sam2["sam2_profile"]["tracking_calls"], sam2["sam2_profile"]
     # float32 on the CPU, `exact` preprocessing as Meta's loader: vidar's masks are Meta's (1.0 seen)
-    assert sam2["sam2_fidelity"]["pairs"] == 12 and sam2["sam2_fidelity"]["iou_min"] >= 0.99
-    assert sam2["sam2_live"]["published"] > 0
+    fid = {x["preprocess"]: x for x in lines if x["part"] == "sam2_fidelity"}
+    assert fid["exact"]["pairs"] == 12 and fid["exact"]["iou_min"] >= 0.99 and fid["exact"]["meets_target"], fid
+    assert fid["fast"]["pairs"] == 12 and fid["fast"]["meets_target"] is None, fid
+    # the encoder alone at batch 1, 2, 4, graphed and eager (both eager on the CPU: no graphs there)
+    enc = sam2["sam2_encoder"]
+    assert enc["graph_sizes"] == [] and set(enc["graph_ms"]) == set(enc["eager_ms"]) == {"1", "2", "4"}, enc
+    # the padded, masked memory attention equals one sam2 call per bank layout (float32 on the CPU)
+    att = sam2["sam2_attention"]
+    assert att["layouts"] == 5 and att["max_abs_diff"] <= 1e-4 and att["masked_ms"] > 0, att
+    # live at 30 and 60 FPS, each followed by what it served; percentiles of the window's results only
+    live = [x for x in lines if x["part"] == "sam2_live"]
+    assert [x["fps"] for x in live] == [30, 60] and all(x["published"] > 0 for x in live), live
+    assert all(x["p99_ms"] >= x["p50_ms"] > 0 for x in live), live
+    cap = [x for x in lines if x["part"] == "sam2_capacity"]
+    assert [(x["fps"], list(x["goodput_at"])) for x in cap] == [(30, ["1"]), (60, ["1"])], cap
     # the many-stream offline run with the tracking stage's graphs on and off; no graph replays on the CPU.
     # (Two streams of 6 frames on the CPU may not overlap long enough for a common window: only 1 x 2 has
     # to give a number.)

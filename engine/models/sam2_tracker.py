@@ -111,7 +111,7 @@ class TrackingStage:
     @torch.inference_mode()
     def warmup(self, steps: int = 3) -> float:
         """At every input size, on an encoded blank frame: object 0 prompted on the first step, object 1 on the
-        second, then tracked for `steps` steps in all, so the prompt path, the batched step of one object and
+        second (unless max_objects is 1), then tracked for `steps` steps in all, so the prompt path, the batched step of one object and
         the padded, masked step of two objects whose banks differ all run once before the first camera frame
         (allocations, kernel selection; on a GPU cuDNN's autotuning); then the steady-state step's CUDA graphs
         are captured (`graphs`). Nothing of the steps stays: the stream is removed, and the counters and
@@ -128,7 +128,7 @@ class TrackingStage:
             self.add_stream(stream)
             try:
                 for k in range(steps):
-                    if k < 2:
+                    if k < min(2, self.max_objects):  # max_objects 1 never pads a step: one object suffices
                         lo, hi = size // (4 + k), size - size // (4 + k)
                         self.add_object(stream, Prompt(k, box=[lo, lo, hi, hi]))
                     self.step([(stream, feats, (size, size))])

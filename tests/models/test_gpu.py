@@ -40,6 +40,9 @@ def test_cuda_fast_preprocessing_and_bf16_match_timm(clip48):
                              model=seeded_model(), weights_tag="random")
         x = w.prepare(views(frames))
         assert x.is_cuda and x.dtype == getattr(torch, dtype)
+        # prepare queued x on the runner's own stream (infer reads it there); forward here runs on the current
+        # one, which must wait for it
+        torch.cuda.current_stream().wait_stream(w.stream)
         out = w.forward(x)[0].cpu()
         assert rel_err(out, ref) <= (5e-3 if dtype == "float32" else 5e-2), dtype
         assert torch.equal(out.argmax(-1), ref.argmax(-1)), dtype

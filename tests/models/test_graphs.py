@@ -233,7 +233,8 @@ def cuda_runner(model, **cfg):
 @pytest.mark.gpu
 def test_cuda_graph_logits_match_eager_in_bf16():
     """bf16 tolerance 2e-2 relative to the largest logit: a padded batch may pick other GEMM tiles than
-    the eager one (a few bf16 ulps, 2**-8 each); top-1 must agree."""
+    the eager one (a few bf16 ulps, 2**-8 each); top-1 must agree where eager's top two are further apart
+    than the two runs differ (random weights leave rows 1 ulp apart: a tie either may break)."""
     model = seeded_model()
     graphed, eager = cuda_runner(model, embedding=True), cuda_runner(model, cuda_graphs=False, embedding=True)
     times = graphed.warmup([1, 8])
@@ -244,10 +245,13 @@ def test_cuda_graph_logits_match_eager_in_bf16():
         x = torch.randn(n, 3, 160, 160, device="cuda").to(torch.bfloat16)
         lg = graphed.forward(x)[0].clone()
         le = eager.forward(x)[0]
-        assert rel_err(lg.float().cpu(), le.float().cpu()) <= 2e-2, n
-        assert torch.equal(lg.argmax(-1), le.argmax(-1)), n
+        lg, le = lg.float().cpu(), le.float().cpu()
+        assert rel_err(lg, le) <= 2e-2, n
+        top2 = le.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > (lg - le).abs().max()  # rows whose top-1 no rounding can flip
+        assert torch.equal(lg.argmax(-1)[clear], le.argmax(-1)[clear]), n
         og, oe = graphed.infer(x), eager.infer(x)
-        assert [r["topk"][0][0] for r in og] == [r["topk"][0][0] for r in oe]
+        assert [r["topk"][0][0] for r, c in zip(og, clear) if c] == [r["topk"][0][0] for r, c in zip(oe, clear) if c]
         assert len(og[0]["embedding"]) == 2 * model.num_features
     graphed.close()
 

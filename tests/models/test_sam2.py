@@ -124,8 +124,9 @@ def test_bf16_autocast_as_meta_runs_it_on_a_gpu_stays_close_to_float32(ckpt, cli
 
 @pytest.mark.timeout(300)
 def test_the_tracking_stage_warms_up_at_start_and_leaves_nothing_behind(model, clips, ref0, monkeypatch):
-    """The pool warms its tracking stage at start (a blank frame, one object, a prompt and a step at every
-    input size), so the first camera frame pays no one-time cost; nothing of it stays."""
+    """The pool warms its tracking stage at start (a blank frame, two objects prompted a step apart, so the
+    prompt, the batched step and the padded step all run at every input size), so the first camera frame pays
+    no one-time cost; nothing of it stays."""
     stage = TrackingStage(model)
     stage.events.append(("cam", "info", "an event from before"))
     seen = []
@@ -143,6 +144,21 @@ def test_the_tracking_stage_warms_up_at_start_and_leaves_nothing_behind(model, c
     stage.events.clear()
     ours, _ = stream_masks(model, {"a": decode_all(clips[0])}, {("a", 0): PROMPTS}, stage=stage)
     assert_equal_to_reference(ours["a"], ref0)
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_admitting_one_object_warms_up_with_one(model, monkeypatch):
+    """max_objects: 1 is a valid config; the warm-up's second object would be refused and stop the start."""
+    seen = []
+    batch = TrackingStage._track_batch
+
+    def spy(self, items, plans):
+        seen.append(len(items))
+        return batch(self, items, plans)
+    monkeypatch.setattr(TrackingStage, "_track_batch", spy)
+    stage = TrackingStage(model, max_objects=1)
+    assert stage.warmup() > 0
+    assert seen == [1, 1] and stage.list() == {}, seen
 
 
 def test_two_streams_batched_each_equal_its_own_run(model, ckpt, clips, ref0, tmp_path):
