@@ -23,7 +23,7 @@ from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher
 from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import InputContract, Preprocessor
 from engine.models.weights import fetch_pretrained, load_strict, read_state_dict
-from engine.models.device import resolve_device, resolve_dtype
+from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype
 from engine.sched.tuning import ThreadPlan, plan_classify
 from engine.models.registry import PoolSpec, instances
 
@@ -108,11 +108,9 @@ class ClassifierRunner(ModelRunner):
         # (`exact` promises timm's PIL transform of RGB frames, so it keeps them)
         self.accepts_nv12 = self.device.type == "cuda" and cfg.preprocess == "fast"
         self.topk = min(cfg.topk, self.model.num_classes)
-        # One CUDA stream per instance, so instances sharing the GPU overlap uploads and compute.
-        # High priority: torch hands out streams round-robin from a pool of 32 per priority, which 48 decoders
-        # and rings share; the model's stream comes from the (separate) high-priority pool, so its kernels are
-        # not queued behind a decoder's copies, and the GPU schedules them first.
-        self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        # One CUDA stream per instance, so instances sharing the GPU overlap uploads and compute (model_stream:
+        # high priority, why)
+        self.stream = model_stream(self.device)
         # results reach the host through pinned buffers and an event on a GPU; the CPU path reads them as is
         self._host = HostCopy() if self.device.type == "cuda" else None
         self.graphs: GraphDispatcher | None = None  # captured at warm-up (capture_graphs)
@@ -123,8 +121,7 @@ class ClassifierRunner(ModelRunner):
             log.info("%s: cuda_graphs is off: every batch runs eager", KEY)
 
     def _on_stream(self):
-        import contextlib
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return on_stream(self.stream)
 
     def prepare(self, frames: Sequence) -> torch.Tensor:
         """The model input from the frames' slots: RGB host slots (CPU decode) or NV12 GPU slots (NVDEC),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from engine.errors import ConfigError
@@ -30,3 +32,16 @@ def resolve_dtype(dtype: str, device: torch.device, key: str) -> torch.dtype:
     if dtype not in DTYPES:
         raise ConfigError(f"{key}: {dtype!r} is not a dtype; use 'auto', {', '.join(map(repr, DTYPES))}")
     return DTYPES[dtype]
+
+
+def model_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """A CUDA stream of a model's own (None on the CPU): high priority, because torch hands out streams
+    round-robin from a pool of 32 per priority, which 48 decoders and rings share; from the (separate)
+    high-priority pool a model's kernels are not queued behind a decoder's copies, and the GPU schedules
+    them first. Never the legacy default stream, which every thread shares: two models on it serialise."""
+    return torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+
+
+def on_stream(stream: "torch.cuda.Stream | None") -> contextlib.AbstractContextManager:
+    """Work queued inside runs on `stream` (nothing changes for None: the CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -16,7 +16,7 @@ from engine.sched.tuning import ThreadPlan, usable_cores
 from engine.models.base import PostProcessor, ModelRunner, time_batches
 from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import Preprocessor
-from engine.models.device import resolve_device, resolve_dtype
+from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype
 from engine.models.registry import FAMILY_OPS, PoolSpec
 from engine.models.sam2_model import KEY, autocast, build_sam2_model, resized_model, sam2_contract
 from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, default_sizes
@@ -72,6 +72,9 @@ class Sam2EncoderRunner(ModelRunner):
                                           backend=graph_backend or CudaGraphBackend(self.device), key=KEY)
         self.level = 0
         self.wanted: Callable[[str], bool] = lambda stream: True  # set by build_pool: TrackingStage.wants_frames
+        # the encoder's own CUDA stream (None on the CPU): the tracking stage has another (TrackingStage.cuda_stream),
+        # so the two overlap on the GPU and the encoder's batch time is its own, not the tracking queued before it
+        self.stream = model_stream(self.device)
 
     def set_level(self, level: int) -> None:
         if not 0 <= level < len(self.sizes):
@@ -81,24 +84,25 @@ class Sam2EncoderRunner(ModelRunner):
 
     def prepare(self, frames: Sequence) -> tuple[list[int], int, torch.Tensor | None]:
         """The encoder's input from the frames of streams with something to track. On a GPU the work is
-        queued on the current stream, which the tracking stage (the output thread) shares, so the features
-        reach it in order; that stream waits on each NV12 slot's write event, and NV12 slots are released on
-        the event `release_event` records after this work (the ring rewrites a slot only once it fired)."""
+        queued on this instance's stream (infer runs there too, and waits for its batch before it returns the
+        features, so the tracking stage reads them whole from its own stream); that stream waits on each NV12
+        slot's write event, and NV12 slots are released on the event `release_event` records after this work
+        (the ring rewrites a slot only once it fired)."""
         keep = [i for i, f in enumerate(frames) if not self.skip_idle or self.wanted(f.meta.stream)]
         self._slots_read_on_gpu = False
         if not keep:
             return keep, len(frames), None
         size, kept = self.sizes[self.level], [frames[i] for i in keep]
-        if self.device.type == "cuda":
-            stream = torch.cuda.current_stream(self.device)
-            for f in kept:
-                ready = f.ready_event()
-                if ready is not None:
-                    stream.wait_event(ready)
-        # set before reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots
-        # are still released on an event after those reads
-        self._slots_read_on_gpu = self.device.type == "cuda" and any(f.meta.pixel_format == "nv12" for f in kept)
-        x, _ = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
+        with on_stream(self.stream):
+            if self.stream is not None:
+                for f in kept:
+                    ready = f.ready_event()
+                    if ready is not None:
+                        self.stream.wait_event(ready)
+            # set before reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots
+            # are still released on an event after those reads
+            self._slots_read_on_gpu = self.stream is not None and any(f.meta.pixel_format == "nv12" for f in kept)
+            x, _ = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
         return keep, len(frames), x
 
     def _rgb(self, pixels: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -107,30 +111,31 @@ class Sam2EncoderRunner(ModelRunner):
         if self.device.type == "cuda" and self.cfg.preprocess == "fast":
             return self.batch_pres[size](pixels, "rgb24")
         x = self.pres[size](pixels)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # exact on a GPU: uploads done, the slots may be reused
+        if self.stream is not None:
+            self.stream.synchronize()  # exact on a GPU: uploads done, the slots may be reused
         return x
 
     def release_event(self):
-        """After a prepare that read NV12 slots on the GPU: an event after everything queued so far on the
-        current stream. None otherwise: prepare has read the slots already."""
+        """After a prepare that read NV12 slots on the GPU: an event after everything queued so far on this
+        instance's stream. None otherwise: prepare has read the slots already."""
         if not self._slots_read_on_gpu:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(self.stream)
         return event
 
     def infer(self, inputs: tuple[list[int], int, torch.Tensor | None]) -> list[dict]:
         keep, n, x = inputs
         out: list[dict] = [{"_features": None} for _ in range(n)]
         if x is not None:
-            feats = self._encode(x)
-            if self.device.type == "cuda":
-                # wait for this batch's encoder (an event, not the stream: the tracking stage queues its work on
-                # the same stream from the output thread): one batch in flight, and the batch's time is its run
-                # time for the latency model, not its launch time
+            with on_stream(self.stream):
+                feats = self._encode(x)
+            if self.stream is not None:
+                # wait for this batch's encoder: one batch in flight, the features whole before the tracking
+                # stage's stream reads them (it records its use of them: Sam2Processor.process), and the batch's
+                # time is its run time for the latency model, not its launch time
                 done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
+                done.record(self.stream)
                 done.synchronize()
             for i, f in zip(keep, feats):
                 out[i] = {"_features": f}
@@ -154,13 +159,15 @@ class Sam2EncoderRunner(ModelRunner):
         thread starts (build_pool); an instance rebuilt after a failure runs eager, as the classifier's."""
         if self.graphs is not None and not self.graphs.attempted:
             s = self.model.image_size
-            self.graphs.capture((3, s, s), torch.float32, self.device)
+            with on_stream(self.stream):
+                self.graphs.capture((3, s, s), torch.float32, self.device)
 
     def warmup(self, batch_sizes: Sequence[int]) -> dict[int, float]:
         c, h, w = self.pre.data_config["input_size"]
         self.capture_graphs()
-        return time_batches(self._encode, lambda b: torch.randn(b, c, h, w, device=self.device), batch_sizes,
-                            self.device)
+        with on_stream(self.stream):
+            return time_batches(self._encode, lambda b: torch.randn(b, c, h, w, device=self.device), batch_sizes,
+                                self.device)
 
     def close(self) -> None:
         if self.graphs is not None:  # before the weights go: a replay would read freed memory
@@ -183,7 +190,8 @@ class Sam2PostProcessor(PostProcessor):
         self.stage = stage
 
     def warmup(self) -> None:
-        seconds = self.stage.warmup()
+        with on_stream(self.stage.cuda_stream):
+            seconds = self.stage.warmup()
         log.info("%s: tracking stage warmed up at input size(s) %s in %.2f s", KEY, sorted(self.stage.models), seconds)
 
     def add_stream(self, stream: str) -> None:
@@ -193,6 +201,17 @@ class Sam2PostProcessor(PostProcessor):
         self.stage.remove_stream(stream)
 
     def process(self, frames: Sequence, fields: list[dict]) -> tuple[list, Callable[[], None]]:
+        with on_stream(self.stage.cuda_stream):
+            return self._process(frames, fields)
+
+    def _process(self, frames: Sequence, fields: list[dict]) -> tuple[list, Callable[[], None]]:
+        if self.stage.cuda_stream is not None:
+            # the features were made on an encoder's stream: without this, the allocator could hand their memory
+            # back to that stream (once this thread drops them) while this stage's queued work still reads it
+            for f in fields:
+                feats = f.get("_features")
+                for t in (feats.vision_feats + feats.vision_pos) if feats is not None else ():
+                    t.record_stream(self.stage.cuda_stream)
         staged = self.stage.begin([fv.meta.stream for fv in frames])
         events: list = []
         out: list = [None] * len(frames)

@@ -24,6 +24,7 @@ back inside the graph, so a replay computes what the eager step does on the same
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from math import prod
 from typing import Callable, Optional, Sequence
@@ -96,11 +97,13 @@ class StepGraphs:
         split = C // D if D < C else 1
         # the full bank (sam2_memory.py): the prompt frame and num_maskmem - 1 recent mask memories; the prompt
         # frame's pointer and max_obj_ptrs_in_encoder - 1 recent ones, each `split` tokens of mem_dim
-        self.frames, self.ptr_tokens = model.num_maskmem, model.max_obj_ptrs_in_encoder * split
+        self.frames, self.max_ptrs = model.num_maskmem, model.max_obj_ptrs_in_encoder
+        self.ptr_tokens = self.max_ptrs * split
         self.dispatcher = GraphDispatcher(self._forward, sizes, backend=backend, key=key, switch=key)
         self._parts: dict[str, _Part] = {}
         self._sizes: list[tuple[int, int]] = []
         self._keep: list[torch.Tensor] = []  # tensors the graphs read by address (RoPE tables): kept alive
+        self._lock = threading.Lock()  # one step in the static buffers at a time (run)
 
     @property
     def replays(self) -> int:
@@ -110,6 +113,10 @@ class StepGraphs:
     @property
     def captured(self) -> tuple[int, ...]:
         return self.dispatcher.sizes
+
+    def full(self, plan) -> bool:
+        """A sam2_gather.MemoryPlan that reads a full bank (the layout the graphs serve), once they are captured."""
+        return bool(self.captured) and len(plan.frames) == self.frames and len(plan.ptrs) == self.max_ptrs
 
     def memory_length(self, hw: int) -> int:
         return self.frames * hw + self.ptr_tokens
@@ -143,14 +150,24 @@ class StepGraphs:
         return True
 
     def run(self, curr: torch.Tensor, curr_pos: torch.Tensor, memory: torch.Tensor, memory_pos: torch.Tensor,
-            high_res: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """`step_tensors` for the B objects of a step `serves`, replayed; the outputs are the step's own copies."""
-        B = curr.shape[1]
-        rows = [curr.transpose(0, 1), curr_pos.transpose(0, 1), memory.transpose(0, 1), memory_pos.transpose(0, 1),
-                *high_res]
-        x = torch.cat([r.reshape(B, -1).float() for r in rows], dim=1)
-        out = self.dispatcher.run(x)
-        return tuple(t.clone() for t in out)
+            high_res: Sequence[torch.Tensor]) -> Optional[tuple[torch.Tensor, ...]]:
+        """`step_tensors` for the B objects of a step `serves`, replayed; the outputs are the step's own copies.
+        None, and nothing done, while another thread is in here: the caller runs the step eager.
+
+        Two threads can step at once only after a hung step's output thread was replaced (output_stage's
+        watchdog: the old one may still be running); both writing the one static input would corrupt each
+        other's step, and waiting for a thread that hangs would hang the new one too."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            B = curr.shape[1]
+            rows = [curr.transpose(0, 1), curr_pos.transpose(0, 1), memory.transpose(0, 1),
+                    memory_pos.transpose(0, 1), *high_res]
+            x = torch.cat([r.reshape(B, -1).float() for r in rows], dim=1)
+            out = self.dispatcher.run(x)
+            return tuple(t.clone() for t in out)
+        finally:
+            self._lock.release()
 
     def _unpack(self, x: torch.Tensor, name: str) -> torch.Tensor:
         p = self._parts[name]

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.models.graphs import CudaGraphBackend, GraphBackend
+from engine.models.device import model_stream
 from engine.models.mask_rle import encode_masks, encode_masks_host
 from engine.models.sam2_gather import MemoryPlan, gather, plan_memory
 from engine.models.sam2_step import StepGraphs, step_graph_sizes, step_tensors
@@ -98,6 +99,9 @@ class TrackingStage:
         if graphs and (graph_backend is not None or self.device.type == "cuda"):
             self.graphs[model.image_size] = StepGraphs(model, sizes=step_graph_sizes(max_objects), dtype=dtype,
                                                        backend=graph_backend or CudaGraphBackend(self.device))
+        # the stage's own CUDA stream (None on the CPU), not an encoder's: the encoder and the stage overlap on
+        # the GPU; Sam2Processor runs the stage's work (warm-up, steps) on it
+        self.cuda_stream = model_stream(self.device)
         self.timed = False  # on a GPU, sync between sub-stages to time them (benchmarks only: it costs)
         self.events: deque = deque(maxlen=1000)  # (stream, kind, reason) to publish
         self.object_failures: Counter = Counter()  # per stream: object steps that failed (committed)
@@ -311,8 +315,10 @@ class TrackingStage:
 
     def _track_groups(self, due: list[_Due]):
         """(indices, outputs) per input size: one batched call each, memories of different lengths padded
-        and masked (sam2_attention.py); if it raises, each object alone, so only the failing ones fail."""
-        groups: dict[int, list[int]] = {}
+        and masked (sam2_attention.py); if it raises, each object alone, so only the failing ones fail.
+        Where the size has steady-state graphs, the objects with full banks are a call of their own (replayed)
+        and those still filling another (eager, padded): one new object does not send every other eager."""
+        groups: dict[tuple[int, bool], list[int]] = {}
         plans = {}
         for i, d in enumerate(due):
             if not d.starts:
@@ -321,7 +327,9 @@ class TrackingStage:
                 except Exception as err:
                     yield [i], [err]
                     continue
-                groups.setdefault(d.bank.image_size, []).append(i)
+                graphs = self.graphs.get(d.bank.image_size)
+                full = graphs is not None and graphs.full(plans[i])
+                groups.setdefault((d.bank.image_size, full), []).append(i)
         for idxs in groups.values():
             try:
                 outs = self._track_batch([due[i] for i in idxs], [plans[i] for i in idxs])
@@ -410,9 +418,10 @@ class TrackingStage:
         return masks
 
     def _sync_time(self) -> float:
-        # Per-stage timings need the GPU's queue drained; on the CPU this is just a clock read.
+        # Per-stage timings need this stage's queue drained (its stream, not the device: the encoder's work
+        # overlaps); on the CPU this is just a clock read.
         if self.device.type == "cuda" and self.timed:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     def _remember_pos(self, pos: torch.Tensor, image_size: int) -> None:
@@ -446,8 +455,11 @@ class TrackingStage:
         high_res = [torch.cat([f.vision_feats[lvl] for f in feats], dim=1).permute(1, 2, 0).reshape(B, -1, *sizes[lvl])
                     for lvl in range(len(sizes) - 1)]
         graphs = self.graphs.get(m.image_size)
+        replayed = None
         if graphs is not None and graphs.serves(B, memory.shape[0], n_ptr, key_mask):
-            low, obj_ptr, score, maskmem, pos = graphs.run(curr, curr_pos, memory, memory_pos, high_res)
+            replayed = graphs.run(curr, curr_pos, memory, memory_pos, high_res)  # None: the graphs are busy
+        if replayed is not None:
+            low, obj_ptr, score, maskmem, pos = replayed
             self.stage_s["graphed_step"].append(self._sync_time() - t0)
         else:
             last = [t0]

@@ -536,10 +536,12 @@ def _View(stream, pixels):
 
 @pytest.mark.timeout(120)
 def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
-    """The GPU branch of the encoder's prepare / release_event / infer, with a fake of torch.cuda's current
-    stream and events (tensors stay on the CPU): the stream waits on each NV12 slot's write event before the
-    batched op; NV12 slots are released on an event recorded after it (RGB host slots need none: read
-    before prepare returns); infer waits on its own encoder's event, not on the stream."""
+    """The GPU branch of the encoder's prepare / release_event / infer, with fakes of the encoder's CUDA
+    stream and events (tensors stay on the CPU): its stream waits on each NV12 slot's write event before the
+    batched op; NV12 slots are released on an event recorded on that stream after it (RGB host slots need
+    none: read before prepare returns); infer runs on that stream and waits on its own batch's event, not on
+    the stream or the device."""
+    import contextlib
     from engine.config import Sam2Config
     from engine.frames.ref import LooseFrames
     from engine.models.sam2 import Sam2EncoderRunner
@@ -549,6 +551,7 @@ def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
             self.name, self.recorded, self.synced = name, 0, 0
 
         def record(self, stream=None):
+            assert stream is w.stream, "an event on another stream than the encoder's"
             self.recorded += 1
 
         def synchronize(self):
@@ -570,11 +573,16 @@ def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
     class Slots(LooseFrames):  # a ring's slots whose writes are ordered by events
         def ready_event(self, slot):
             return Event(f"write{slot}")
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    entered = []
+
+    def on(s):  # torch.cuda.stream(s): work queued inside runs on s
+        entered.append(s)
+        return contextlib.nullcontext()
+    monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", event)
     w = Sam2EncoderRunner(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=SIZE, device="cpu",
                                      cuda_graphs=False), model=model, weights_tag="t")
-    w.device = torch.device("cuda")  # the GPU branch; the tensors stay where they are
+    w.device, w.stream = torch.device("cuda"), stream  # the GPU branch; the tensors stay where they are
     rng = np.random.default_rng(0)
     nv12 = Slots([torch.from_numpy(rng.integers(0, 255, (72, 64), dtype=np.uint8)) for _ in range(2)]
                  ).refs("gpu-cam", pixel_format="nv12")
@@ -586,6 +594,7 @@ def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
     out = w.infer(inputs)
     assert [o["_features"] is not None for o in out] == [True] * 3
     assert made[-1] is not released and made[-1].recorded == 1 and made[-1].synced == 1  # its own batch only
+    assert entered == [stream, stream]  # prepare and infer, on the encoder's stream
     w.prepare([rgb[0]])
     assert w.release_event() is None  # host RGB slots: read before prepare returned
 
@@ -710,6 +719,37 @@ def test_stream_switched_to_a_smaller_size_keeps_its_objects(pool128, clips):
     finally:
         stage.remove_stream("sw")
         w.set_level(0)
+
+
+@pytest.mark.timeout(120)
+def test_on_a_gpu_the_tracking_stage_runs_on_its_own_stream_and_keeps_the_features_it_reads(pool128, clips,
+                                                                                            monkeypatch):
+    """The GPU branch of the processor, with fakes of torch.cuda.stream and Tensor.record_stream (tensors stay
+    on the CPU): a step runs on the stage's stream, not an encoder's, and every feature tensor it reads (made
+    on the encoder's stream) is recorded as used by the stage's stream, so the allocator keeps it until the
+    stage's queued work is done."""
+    import contextlib
+    w, proc = pool128.models[0], pool128.processor
+    stage = proc.stage
+    frame = decode_all(clips[0])[0]
+    stage.add_stream("gs")
+    stage.add_object("gs", prompt(1, PROMPTS[1]))
+    view = _View("gs", frame)
+    fields = w.infer(w.prepare([view]))
+    feats = fields[0]["_features"]
+    entered, recorded = [], []
+    gpu = object()  # the stage's CUDA stream
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: entered.append(s) or contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((t.data_ptr(), s)))
+    monkeypatch.setattr(stage, "cuda_stream", gpu)
+    try:
+        out, commit = proc.process([view], fields)
+        commit()
+        assert entered == [gpu]
+        assert sorted(recorded) == sorted((t.data_ptr(), gpu) for t in feats.vision_feats + feats.vision_pos)
+        assert [o["id"] for o in out[0]["objects"]] == [1]
+    finally:
+        stage.remove_stream("gs")
 
 
 @pytest.mark.timeout(120)

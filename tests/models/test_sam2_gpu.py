@@ -101,8 +101,9 @@ def test_masked_memory_attention_under_bf16_equals_one_call_per_object(on, ckpt)
 def test_graphed_steady_state_tracking_step_equals_the_eager_one(on, ckpt):
     """The tracking stage's full-bank step replayed from CUDA graphs (on the CPU: the fake capture) under bf16
     autocast against the eager stage on the same features: objects 1 and 2 from frame 0, 3 from frame 2, 2
-    removed at frame 20, so the graph of 4 (3 objects, padded) replays at frames 18-19 and the graph of 2 at
-    20-23 (rows a larger batch left behind re-zeroed); logits and the stored memories within bf16's error."""
+    removed at frame 20, so the graph of 2 replays at frames 16-17 for objects 1 and 2 (3's bank still fills:
+    eager, a call of its own), the graph of 4 (3 objects, padded) at 18-19 and the graph of 2 at 20-23 (rows a
+    larger batch left behind re-zeroed); logits and the stored memories within bf16's error."""
     size = on.size
     model = build_sam2_model(CONFIG, str(ckpt), size, torch.device(on.device))[0]
     g = on.generator(2)
@@ -129,15 +130,21 @@ def test_graphed_steady_state_tracking_step_equals_the_eager_one(on, ckpt):
     (graphed, gs), (eager, es) = runs
     d = gs.graphs[size].dispatcher
     assert gs.graphs[size].captured == (1, 2, 4), d.eager_reason
-    assert d.replays == 6 and not d._mismatch_logged  # frames 18-23, each a real replay
+    assert d.replays == 8 and not d._mismatch_logged  # frames 16-23, each a real replay
+    # bf16 rounds differently in different batch compositions (at 16-17 objects 1 and 2 replay while 3 runs
+    # alone; the eager stage batches all three), and the difference compounds through the banks: 2.7e-2 seen
+    # on the CPU. Float32 holds them within 1e-5 (tests/models/test_sam2_step_graphs.py).
+    tol = 5e-2
+    errs = []
     for a, b in zip(graphed, eager):
         assert a.keys() == b.keys()
         for o in a:
-            assert rel_err(a[o]["logits"].float(), b[o]["logits"].float()) <= 2e-2
+            errs.append(rel_err(a[o]["logits"].float(), b[o]["logits"].float()))
+    assert max(errs) <= tol, max(errs)
     for o, bank in gs._streams["s"].objects.items():
         other = dict(es._streams["s"].objects[o].maskmems)
         for t, mem in bank.maskmems:
-            assert rel_err(mem.maskmem.float(), other[t].maskmem.float()) <= 2e-2, (o, t)
+            assert rel_err(mem.maskmem.float(), other[t].maskmem.float()) <= tol, (o, t)
     gs.close()
     assert gs.graphs == {}
 
@@ -171,3 +178,14 @@ def test_masks_encoded_on_the_gpu_equal_pycocotools(on, monkeypatch):
     # render: the same resize on the device, then the whole mask to the host for pycocotools
     assert got == [sam2_tracker.render(o, 720, 1280) for o in objs]
     assert all(o["bbox"] is not None for o in got)
+
+
+@pytest.mark.gpu
+def test_the_encoder_and_the_tracking_stage_have_cuda_streams_of_their_own(ckpt):
+    """Not the legacy default stream every thread shares (the two would serialise, and the encoder's batch
+    time would include the tracking queued before it), and from the high-priority pool, as the classifier's."""
+    enc = Sam2EncoderRunner(Sam2Config(config=CONFIG, checkpoint=str(ckpt), image_size=512, device="cuda"))
+    stage = TrackingStage(enc.model, dtype=torch.bfloat16)
+    streams = [enc.stream, stage.cuda_stream]
+    assert all(s is not None and s != torch.cuda.default_stream() and s.priority < 0 for s in streams), streams
+    assert streams[0] != streams[1]

@@ -58,10 +58,12 @@ def test_full_banks_replay_a_graph_and_equal_the_eager_step(model, feats, eager)
     graphs = stage.graphs[SIZE]
     assert graphs.captured == (1, 2, 4) and sorted(b for b, _, _ in backend.captures) == [1, 2, 4]
     # the pointers fill last: the prompt frame's and 15 more (max_obj_ptrs_in_encoder 16), so the banks of
-    # objects 1 and 2 are full from frame 16 and object 3's from 18; from then on every step replays
+    # objects 1 and 2 are full from frame 16 and object 3's from 18: at 16 and 17, 1 and 2 replay while 3
+    # runs eager in a call of its own; from 18 on every step replays
     replayed = [b for b, _ in backend.replays]
-    assert replayed == [4] * 2 + [2] * 4, replayed  # 3 objects padded to 4 (frames 18, 19), then 2 (20-23)
-    assert graphs.replays == 6 and len(stage.stage_s["graphed_step"]) == 6  # replays, not eager fallbacks
+    # 2 objects (frames 16, 17), 3 padded to 4 (18, 19), then 2 (20-23)
+    assert replayed == [2] * 2 + [4] * 2 + [2] * 4, replayed
+    assert graphs.replays == 8 and len(stage.stage_s["graphed_step"]) == 8  # replays, not eager fallbacks
     ref = eager[1]
     for t in out:
         assert out[t].keys() == ref[t].keys(), t
@@ -111,3 +113,29 @@ def test_a_padded_step_a_step_over_the_graphs_or_a_failed_capture_runs_eager(mod
 def test_without_graphs_nothing_is_captured(model):
     assert TrackingStage(model).graphs == {}  # graphs off (the default)
     assert TrackingStage(model, graphs=True).graphs == {}  # on the CPU without a backend: nothing to capture
+
+
+@pytest.mark.timeout(300)
+def test_a_step_finding_the_graphs_busy_runs_eager(model, feats):
+    """Two threads step at once only after a hung output thread was replaced (the old one may still run): the
+    static buffers are one step's at a time; the other step runs eager, with the same results, and does not
+    wait (waiting on a hung thread would hang it too)."""
+    results = {}
+    for busy in (True, False):
+        stage = TrackingStage(model, max_objects=4, graphs=True, graph_backend=FakeBackend())
+        stage.warmup()
+        g = stage.graphs[SIZE]
+        stage.add_stream("s")
+        stage.add_object("s", Prompt(1, box=BOXES[1]))
+        if busy:
+            assert g._lock.acquire(blocking=False)  # as another thread inside run()
+        out = [stage.step([("s", f, (240, 320))])[0][0] for f in feats[:-1]]
+        results[busy] = (out, g.replays)
+        if busy:
+            g._lock.release()
+            stage.step([("s", feats[-1], (240, 320))])
+            assert g.replays == 1  # free again: replayed
+    (eager, none), (graphed, some) = results[True], results[False]
+    assert none == 0 and some > 0, (none, some)
+    for a, b in zip(eager, graphed):
+        assert (a["logits"] - b["logits"]).abs().max().item() <= TOL
