@@ -23,7 +23,7 @@ from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher
 from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import InputContract, Preprocessor
 from engine.models.weights import fetch_pretrained, load_strict, read_state_dict
-from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype
+from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype, wait_for_slots
 from engine.sched.tuning import ThreadPlan, plan_classify
 from engine.models.registry import PoolSpec, instances
 
@@ -129,16 +129,7 @@ class ClassifierRunner(ModelRunner):
         host: this stream waits on each slot's write event, and the slots are released on the event
         `release_event` records after this work (the ring rewrites a slot only once it has fired)."""
         with self._on_stream():
-            if self.stream is not None:
-                for f in frames:
-                    ready = f.ready_event()
-                    if ready is not None:
-                        self.stream.wait_event(ready)
-            # only NV12 slots are read by queued GPU work; host RGB slots are read on the host before this
-            # returns (the staging copy, or the CPU Preprocessor), so their release needs no event. Set before
-            # reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots are
-            # still released on an event after those reads.
-            self._slots_read_on_gpu = self.stream is not None and any(f.meta.pixel_format == "nv12" for f in frames)
+            self._slots_read_on_gpu = wait_for_slots(self.stream, frames)
             return frames_input(frames, self.batch_pre, self._rgb)[0]
 
     def _rgb(self, pixels: list[torch.Tensor]) -> torch.Tensor:

@@ -45,3 +45,18 @@ def model_stream(device: torch.device) -> "torch.cuda.Stream | None":
 def on_stream(stream: "torch.cuda.Stream | None") -> contextlib.AbstractContextManager:
     """Work queued inside runs on `stream` (nothing changes for None: the CPU)."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_for_slots(stream: "torch.cuda.Stream | None", frames) -> bool:
+    """Before a model's prepare reads its frames (FrameRefs): on a GPU, `stream` waits on each slot's write
+    event, so nothing waits on the host. Returns whether work queued on `stream` reads NV12 slots in GPU memory:
+    those are then released on an event recorded after it (`release_event`); host RGB slots are read on the
+    host before prepare returns and need none. Call it before reading: if the RGB half of a mixed batch raises
+    after NV12 reads were queued, the slots are still released on an event after those reads."""
+    if stream is None:
+        return False
+    for f in frames:
+        ready = f.ready_event()
+        if ready is not None:
+            stream.wait_event(ready)
+    return any(f.meta.pixel_format == "nv12" for f in frames)

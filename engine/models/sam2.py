@@ -16,7 +16,7 @@ from engine.sched.tuning import ThreadPlan, usable_cores
 from engine.models.base import PostProcessor, ModelRunner, time_batches
 from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import Preprocessor
-from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype
+from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype, wait_for_slots
 from engine.models.registry import FAMILY_OPS, PoolSpec
 from engine.models.sam2_model import KEY, autocast, build_sam2_model, resized_model, sam2_contract
 from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, default_sizes
@@ -94,14 +94,7 @@ class Sam2EncoderRunner(ModelRunner):
             return keep, len(frames), None
         size, kept = self.sizes[self.level], [frames[i] for i in keep]
         with on_stream(self.stream):
-            if self.stream is not None:
-                for f in kept:
-                    ready = f.ready_event()
-                    if ready is not None:
-                        self.stream.wait_event(ready)
-            # set before reading: if the RGB half of a mixed batch raises after NV12 reads were queued, the slots
-            # are still released on an event after those reads
-            self._slots_read_on_gpu = self.stream is not None and any(f.meta.pixel_format == "nv12" for f in kept)
+            self._slots_read_on_gpu = wait_for_slots(self.stream, kept)
             x, _ = frames_input(kept, self.batch_pres[size], lambda px: self._rgb(px, size))
         return keep, len(frames), x
 
