@@ -191,5 +191,6 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     # (Two streams of 6 frames on the CPU may not overlap long enough for a common window: only 1 x 2 has
     # to give a number.)
     offline = [x for x in lines if x["part"] == "sam2_offline"]
-    assert [(x["streams"], x["tracking_graphs"]) for x in offline] == [(1, True), (2, True), (2, False)], offline
+    assert [(x["streams"], x["tracking_graphs"], x["max_batch"]) for x in offline] == \
+        [(1, True, 4), (2, True, 4), (2, False, 4), (2, True, 2)], offline
     assert offline[0]["ms_per_stream_frame"] > 0 and all(x["graphed_steps"] == 0 for x in offline)

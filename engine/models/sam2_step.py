@@ -104,6 +104,7 @@ class StepGraphs:
         self._sizes: list[tuple[int, int]] = []
         self._keep: list[torch.Tensor] = []  # tensors the graphs read by address (RoPE tables): kept alive
         self._lock = threading.Lock()  # one step in the static buffers at a time (run)
+        self.busy = 0  # steps that found the lock held and ran eager
 
     @property
     def replays(self) -> int:
@@ -156,8 +157,15 @@ class StepGraphs:
 
         Two threads can step at once only after a hung step's output thread was replaced (output_stage's
         watchdog: the old one may still be running); both writing the one static input would corrupt each
-        other's step, and waiting for a thread that hangs would hang the new one too."""
+        other's step, and waiting for a thread that hangs would hang the new one too. This guards a thread
+        hung on the host only: one hung on the GPU holds the stage's stream, which the new one's work queues on.
+        Releasing the lock once the replay is queued (not done) is safe because every step runs on the
+        stage's one stream (Sam2Processor), in order: the next copy into the input waits for this replay."""
         if not self._lock.acquire(blocking=False):
+            self.busy += 1
+            if self.busy == 1:
+                log.warning("%s: a step found the graphs in use by another thread (a replaced output thread "
+                            "still running?): it runs eager, as every such step will (counted in `busy`)", self.key)
             return None
         try:
             B = curr.shape[1]

@@ -314,8 +314,9 @@ class TrackingStage:
         return due
 
     def _track_groups(self, due: list[_Due]):
-        """(indices, outputs) per input size: one batched call each, memories of different lengths padded
-        and masked (sam2_attention.py); if it raises, each object alone, so only the failing ones fail.
+        """(indices, outputs) per group: one batched call per input size, memories of different lengths padded
+        and masked (sam2_attention.py); if it raises, each object of the group alone, so only the failing ones
+        fail.
         Where the size has steady-state graphs, the objects with full banks are a call of their own (replayed)
         and those still filling another (eager, padded): one new object does not send every other eager."""
         groups: dict[tuple[int, bool], list[int]] = {}

@@ -131,6 +131,7 @@ def test_a_step_finding_the_graphs_busy_runs_eager(model, feats):
             assert g._lock.acquire(blocking=False)  # as another thread inside run()
         out = [stage.step([("s", f, (240, 320))])[0][0] for f in feats[:-1]]
         results[busy] = (out, g.replays)
+        assert g.busy == (len(out) - 16 if busy else 0), g.busy  # each step with a full bank (from frame 16)
         if busy:
             g._lock.release()
             stage.step([("s", feats[-1], (240, 320))])
