@@ -46,6 +46,12 @@ GOOD = 0.99  # the goodput a stream count must reach to count as served (issue 2
 BOXES = {1: (0.30, 0.20, 0.55, 0.78), 2: (0.60, 0.36, 0.85, 0.89)}
 
 
+def _sync(device: str) -> Callable[[], None]:
+    """What waits for the device's queued work before a clock read (nothing on the CPU)."""
+    import torch
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
 def _median_ms(fn: Callable[[], object], reps: int, sync: Callable[[], None]) -> float:
     """fn's median wall time in ms over `reps` runs after one untimed (allocations, kernel choice)."""
     times = []
@@ -69,7 +75,7 @@ def render_times(device: str, reps: int) -> dict:
     objs = [{"id": i, "logits": torch.randn(1, 1, 256, 256, device=device, generator=g) * 4
              + torch.linspace(-8, 8, 256, device=device) * (1 if i else -1), "score": torch.zeros(1, 1, device=device)}
             for i in range(2)]
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _sync(device)
     flag = sam2_tracker.RLE_ON_DEVICE
     out, results = {}, []
     try:
@@ -96,7 +102,7 @@ def encoder_times(ckpt: Path, size: int, device: str, reps: int) -> dict:
     eager = Sam2EncoderRunner(cfg.model_copy(update={"cuda_graphs": False}), model=graphed.model, weights_tag="t",
                               sized=graphed.sized)
     graphed.capture_graphs()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _sync(device)
     out: dict = {"graph_sizes": list(graphed.graphs.sizes) if graphed.graphs else [],
                  "eager_reason": graphed.graphs.eager_reason if graphed.graphs else "no CUDA: no graphs",
                  "dtype": str(graphed.dtype).replace("torch.", "")}
@@ -169,7 +175,7 @@ def attention_times(ckpt: Path, size: int, device: str, reps: int) -> dict:
         for ix, q, qp, m, mp, n_ptr in cut:
             out[:, ix] = ma(curr=[q], curr_pos=[qp], memory=m, memory_pos=mp, num_obj_ptr_tokens=n_ptr).float()
         return out
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = _sync(device)
     with torch.inference_mode(), autocast(dev, dtype):
         masked = lambda: memory_attention(ma, fc, fp, mem, mem_pos, p_max, mask)  # noqa: E731
         diff = (masked().float() - grouped()).abs().max().item()

@@ -120,15 +120,12 @@ class ClassifierRunner(ModelRunner):
         elif self.device.type == "cuda":
             log.info("%s: cuda_graphs is off: every batch runs eager", KEY)
 
-    def _on_stream(self):
-        return on_stream(self.stream)
-
     def prepare(self, frames: Sequence) -> torch.Tensor:
         """The model input from the frames' slots: RGB host slots (CPU decode) or NV12 GPU slots (NVDEC),
         mixed in one batch when a pool's streams decode differently. On a GPU nothing here waits on the
         host: this stream waits on each slot's write event, and the slots are released on the event
         `release_event` records after this work (the ring rewrites a slot only once it has fired)."""
-        with self._on_stream():
+        with on_stream(self.stream):
             self._slots_read_on_gpu = wait_for_slots(self.stream, frames)
             return frames_input(frames, self.batch_pre, self._rgb)[0]
 
@@ -172,7 +169,7 @@ class ClassifierRunner(ModelRunner):
         return logits, emb
 
     def infer(self, inputs: torch.Tensor) -> list[dict]:
-        with self._on_stream():
+        with on_stream(self.stream):
             logits, emb = self.forward(inputs)
             probs = logits.softmax(dim=-1)
             top_p, top_i = probs.topk(self.topk, dim=-1)

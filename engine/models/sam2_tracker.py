@@ -115,10 +115,10 @@ class TrackingStage:
     @torch.inference_mode()
     def warmup(self, steps: int = 3) -> float:
         """At every input size, on an encoded blank frame: object 0 prompted on the first step, object 1 on the
-        second (unless max_objects is 1), then tracked for `steps` steps in all, so the prompt path, the batched step of one object and
-        the padded, masked step of two objects whose banks differ all run once before the first camera frame
-        (allocations, kernel selection; on a GPU cuDNN's autotuning); then the steady-state step's CUDA graphs
-        are captured (`graphs`). Nothing of the steps stays: the stream is removed, and the counters and
+        second (unless max_objects is 1), then tracked for `steps` steps in all, so the prompt path, the batched
+        step of one object and the padded, masked step of two objects whose banks differ all run once before the
+        first camera frame (allocations, kernel selection; on a GPU cuDNN's autotuning); then the steady-state
+        step's CUDA graphs are captured (`graphs`). Nothing of the steps stays: the stream is removed, and the counters and
         events are as they were. Returns the seconds it took (the GPU waited for)."""
         if steps < 3:
             raise ValueError(f"warmup: steps must be >= 3 to reach a padded step, got {steps}")
