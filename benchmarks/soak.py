@@ -10,7 +10,7 @@ Runs the engine in-process with the real tiny classifier (timm test_vit, random 
 and meanwhile:
   * a slow subscriber (20 ms per message, RCVHWM 50, 16 KiB SO_RCVBUF) reads every result; the
     engine's publisher socket gets a 16 KiB SO_SNDBUF (through the zmq Context passed to Engine)
-    so the HWM, not megabytes of kernel buffer, absorbs the backlog: publish_hwm drops show up,
+    so the HWM, not megabytes of kernel buffer, absorbs the backlog: the messages it misses show up (missed),
   * every --disconnect-every-s one synthetic stream is removed and re-added (same id)
     --reconnect-after-s later, round robin, through eng.control (as the control socket does),
   * once, half-way, one batch of worker 0 raises (the pool must rebuild the worker and go on).
@@ -407,7 +407,7 @@ class Soak:
         print(f"  t={t:6.0f}s  rss {rec['rss_mb']:6.1f} MB ({trimmed} trimmed, rings {rec['ring_mb']})  "
               f"fds {rec['fds']:3d}  threads {threads_os:3d} os "
               f"{rec['threads_py']:2d} py  published {rec['published']:7d}  received {rec['received']:7d}  "
-              f"max in_flight {inf:3d}  hwm drops {rec['publisher']['hwm_drops']}"
+              f"max in_flight {inf:3d}  missed by the slow subscriber {sum(rec['publisher']['missed'].values())}"
               + (f"  heap used {h['used_mb']} free {h['free_mb']} mmap {h['mmap_mb']} arenas {h['arenas']}"
                  if (h := rec["heap"]) else "")
               + (f"  rss file {m['file']} heap {m['heap']} anon {m['anon']}" if (m := rec["smaps"]) else ""),

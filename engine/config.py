@@ -26,7 +26,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=False)
 
 
-STREAM_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+#: matched with fullmatch: `$` also matches before a trailing newline, and `x\n` was taken as an id
+STREAM_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: Object ids are non-negative 31-bit integers: they travel in every SAM 2 result (msgpack, JSON, the
 #: page's JavaScript numbers), and an unbounded one (10**30) was taken, then killed the publisher.
 MAX_OBJECT_ID = 2**31 - 1
@@ -56,7 +57,7 @@ class StreamConfig(_Strict):
     @field_validator("id")
     @classmethod
     def _id_ok(cls, v: str) -> str:
-        if not STREAM_ID_RE.match(v):
+        if not STREAM_ID_RE.fullmatch(v):
             raise ValueError(f"stream id {v!r} must match {STREAM_ID_RE.pattern} (it is used in topics)")
         return v
 
@@ -532,6 +533,15 @@ class EngineConfig(_Strict):
     """The streams to read (may be empty: streams can be added at run time over the control socket)."""
     max_streams: int = Field(64, ge=1, le=4096)
     """Admission limit: streams running at once; add_stream beyond it is refused."""
+    max_ended: int = Field(64, ge=0, le=4096)
+    """Streams added at run time that ended or failed by themselves stay listed (state, counters, metric
+    series, view) until more than this many have ended (the oldest is forgotten first) or
+    `ended_keep_s` has passed; then they are forgotten as a removed stream is, and their final state
+    (id, url shown without credentials, mode, state, reason, counts, time) is kept in `list`'s
+    `ended`, the last `max_ended` of them. 0: forgotten as soon as their eos is out, no history.
+    The config's own streams are never forgotten (at most `max_streams`)."""
+    ended_keep_s: float = Field(60.0, gt=0, le=86400)
+    """How long a stream added at run time stays listed after it ended or failed (see max_ended)."""
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     """Latency budget and batching delay."""
     qos: QosConfig = Field(default_factory=QosConfig)
@@ -690,7 +700,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected KEY=VALUE, e.g. models.classify.max_batch=4")
     key, _, raw = text.partition("=")
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    from engine.util.request_fields import text_error
+    bad_text = text_error(text)  # argv bytes that are not UTF-8 come as lone surrogates (surrogateescape)
+    if bad_text is not None:
+        raise ConfigError(f"--set {key.strip()[:80].encode('ascii', 'backslashreplace').decode()}: "
+                          f"{bad_text.removeprefix('the request: ')}")
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key.strip()[:80]!r}: the value is not valid YAML: {err}") from None
 
 
 def _format_errors(err: ValidationError, source: str, tree: dict) -> str:
@@ -704,7 +722,8 @@ def _format_errors(err: ValidationError, source: str, tree: dict) -> str:
         else:
             msg = e["msg"].removeprefix("Value error, ")
             # a cross-field check (a model validator) names its keys itself; its input is a whole section
-            show_input = "input" in e and e["type"] not in ("missing", "value_error")
+            show_input = "input" in e and e["type"] not in ("missing", "value_error") \
+                and not loc.endswith("token")  # a token's value is never echoed (logs, terminals, CI)
             lines.append(f"  {loc}: {msg} (got {e.get('input')!r})" if show_input else f"  {loc}: {msg}")
     return "\n".join(lines)
 
@@ -751,6 +770,10 @@ def build_config(tree: dict, *, source: str = "config", overrides: list[str] = (
     for text in overrides:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
+    from engine.util.request_fields import text_error
+    bad_text = text_error(tree)  # YAML's "\ud800", or undecodable bytes of a --set argument
+    if bad_text is not None:
+        raise ConfigError(f"{source}: invalid configuration:\n  {bad_text}")
     try:
         return EngineConfig.model_validate(tree), applied
     except ValidationError as err:
@@ -764,7 +787,9 @@ def load_config(path: str | Path, overrides: list[str] = (), *,
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} not found; try configs/demo.yaml")
     try:
-        tree = yaml.safe_load(p.read_text()) or {}
+        tree = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {err.start}): save the config as UTF-8") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{p}: not valid YAML: {err}") from None
     return build_config(tree, source=str(p), overrides=overrides, cuda_available=cuda_available)

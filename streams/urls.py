@@ -1,75 +1,161 @@
 """The URL rules: which strings vidar opens (and how), and how credentials are kept out of every text it
-shows. Pure string work, imported by the config (to refuse a URL when it is read) and by every source."""
+shows. Pure string work, imported by the config (to refuse a URL when it is read) and by every source.
+
+How a URL is shown (redact_url): an ALLOW-LIST, because every deny-list of credential key names missed
+forms cameras use (`pw=`, `u=`, `jwt=`, XMEye's `user=admin_password=x` path). A shown URL keeps:
+
+- its scheme, host and port. Userinfo, everything up to the LAST `@` of the URL (in a message, of its
+  line), however written (spaces, `/`, `//`, `?`, `#`, a user alone), is `***@`. A password holding
+  `/` or a space moves the `@` past where urllib and FFmpeg end the authority, so the last `@` is used
+  instead: this errs on hiding (`rtsp://cam/a@b` shows as `rtsp://***@b`). When that `@` comes after a
+  `?` or `#` it may sit in a query value (`?password=a@b`), so what follows it is not shown as a host:
+  `***`. A host that is not a host name or `[IPv6]` with a numeric port (`admin:pw` without `@`) is `***`.
+- path segments that look like names: at most 32 of `A-Z a-z 0-9 . _ ~ -`, in which every run of 12
+  or more letters and digits is a word (letters only, lower case after the first, under 24 long): a
+  random token, a JWT, a UUID or a hex digest has a run that is not (`Xy7fA9bQz1cD2eF3`), a camera's
+  path has none (`Streaming`, `realmonitor`, `h264Preview_01_main`, `axis-media`, `media.amp`); any
+  other segment is `***`. Not caught: a path secret of short pieces (`abcd-efgh-ijkl`) or one
+  dictionary-like word; put secrets in userinfo or the query, where they are always hidden. A segment
+  holding `=` (XMEye's `user=admin_password=x_channel=1_stream=0.sdp`) is read as `key=value` parts
+  split at `_`, `&` and `;`, each shown as a query pair is. An RTMP URL's last segment is its stream
+  key: always `***`.
+- query (and path) pairs: the value of a key in SHOWN_KEYS (%-decoded, any case) is kept; any other
+  key keeps its name (when the name looks like a name, by the path-segment rule, else `***`) and its
+  value becomes `***`; a part without `=` (`?S3cret`, `?real_stream`) is a value: `***`. The fragment
+  is `***`.
+
+Files (a plain path, `file:` and `file://`) hold no credentials and are shown as they are. In a free
+text (an exception message, FFmpeg's error) each `scheme://` URL is found and shown by the same rule; its
+end is whitespace, or a quote followed by whitespace, punctuation or the end, trailing punctuation
+excluded. A message keeps every byte outside its URLs. The cost is a few regex scans of the text: it
+runs when streams are listed and on errors, never per frame."""
 
 from __future__ import annotations
 
 import re
 from typing import Optional
+from urllib.parse import unquote
 
-#: Query keys whose values are credentials: a key CONTAINING one of these (after %-decoding, case-
-#: insensitive) has its value shown as `***`, the key kept, so the shown URL still says what was given:
-#: `?password=x&user=y&passphrase=z&x_auth_token=t` -> `?password=***&user=***&passphrase=***&x_auth_token=***`.
-#: Cameras, gateways and signed URLs spell these many ways; matching parts of keys errs on hiding too
-#: much (a `keyint=` that is not secret) rather than too little.
-CREDENTIAL_KEY_PARTS = ("pass", "pwd", "secret", "token", "key", "auth", "sig", "cred", "user", "login",
-                        "session")
-# key=value in a query; a value runs to the next `&`, `#` or line break, and (in free text, where a URL
-# may be followed by the rest of a message) to whitespace; a quote ends it only when the text goes on
-# with whitespace or punctuation after it (the end of a quoted URL in a message, `'...?token=x'`).
-_QUERY_PAIR = re.compile(r"([?&;])([^=&#?\s]+)=((?:[^&#\s'\"]|['\"](?![\s:,;)\]]|$))*)")
-_QUERY_PAIR_BARE = re.compile(r"([?&;])([^=&#?\r\n]+)=([^&#\r\n]*)")
-#: A password holding `/`, `?` or `#` ends the authority early for urlsplit and FFmpeg (which then fail
-#: to connect), but the text still holds it: the `@` is looked for up to whitespace, a quote or a line end.
-_TOKEN_END = re.compile(r"[\s'\"]")
-#: Where a `scheme://` URL starts inside a free-form text (an exception message, an FFmpeg error).
-_URL_START = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://")
-#: What ends an authority: urllib.parse.urlsplit's netloc runs to the first `/`, `?` or `#`; in a text,
-#: a line break ends it too. Whitespace does not: a password may hold a space.
-_AUTHORITY_END = re.compile(r"[/?#\r\n]")
+#: Keys whose values are shown, in a query or in a `key=value` path segment (%-decoded, case-
+#: insensitive): stream selectors and format parameters of the cameras and servers vidar reads (Dahua
+#: `channel`/`subtype`, Axis `camera`/`videocodec`/`resolution`, XMEye `channel`/`stream`, ONVIF
+#: `profile`), vidar's synthetic:// parameters, and FFmpeg protocol options that carry no secret.
+#: Everything else is `***`: a key missing here costs a `***`, never a credential.
+SHOWN_KEYS = frozenset({
+    "channel", "ch", "subtype", "stream", "streamtype", "profile", "camera", "videocodec", "resolution",
+    "codec", "width", "height", "fps", "size", "seed", "frames", "unicast", "transport", "rtsp_transport",
+    "latency", "pkt_size", "buffer_size"})
+#: `scheme://` where a URL starts inside a text (the lookbehind keeps `xrtsp://` from matching at `rtsp`).
+_URL_START = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*)://")
+_LINE_END = re.compile(r"[\r\n]")
+#: Where a URL inside a message ends: whitespace, or a quote then whitespace, punctuation or the end
+#: (the end of `'rtsp://...': refused`; a quote inside a value, `pw=a'b`, does not end it).
+_TEXT_URL_END = re.compile(r"\s|['\"](?=[\s:,;)\]]|$)")
+_TRAILING_PUNCT = ".,;:!)]>"
+#: A host name, an IPv4 address or an `[IPv6%zone]`, with an optional numeric port.
+_HOST = re.compile(r"(?:\[[0-9A-Za-z:.%]*\]|[A-Za-z0-9._~%-]*)(?::[0-9]*)?")
+_NAME = re.compile(r"[A-Za-z0-9._~-]{1,32}")
+#: 12 or more letters and digits in a row: a word when shorter than 24 and lower case after its first
+#: letter (`transportmode`, `Surveillance`), else a token: a random run of 12 from [A-Za-z0-9] is a word
+#: with a chance of (52/62) * (26/62)**11, about 6 in 100,000 (a hex or base64 token: less).
+_LONG_RUN = re.compile(r"[A-Za-z0-9]{12,}")
+_PATH_PART_SEP = re.compile(r"([&;_])")
+_QUERY_PART_SEP = re.compile(r"([&;])")
+_HIDDEN = "***"
 
 
 def redact_url(text: str) -> str:
-    """Credentials out of a URL, or out of any text that contains URLs (an exception message).
+    """A URL as it may be shown, or any text with every URL in it shown so (an exception message).
 
-    Userinfo is everything before the LAST `@` of the authority (as urllib.parse.urlsplit and FFmpeg
-    read it: `rtsp://admin:pa@ss@host/x` has the password `pa@ss`), and is shown as `***`; the values
-    of query keys containing CREDENTIAL_KEY_PARTS are shown as `***`. Credentials never reach logs, events, replies or metrics.
+    The rule is the module's docstring: scheme, host, port, name-like path segments and the values of
+    SHOWN_KEYS are kept; userinfo and every other value are `***`. Credentials never reach logs,
+    events, replies, the view or metrics.
 
     Example::
 
-        redact_url("cannot open 'rtsp://admin:pa@ss@cam/x?token=t0k': refused")
-        # "cannot open 'rtsp://***@cam/x?token=***': refused"
+        redact_url("cannot open 'rtsp://admin:pa@ss@cam/live?channel=1&pw=x': refused")
+        # "cannot open 'rtsp://***@cam/live?channel=1&pw=***': refused"
     """
+    m = _URL_START.match(text)
+    if m is not None and _LINE_END.search(text) is None:  # one URL, as configured: spaces are its own
+        return text[:m.end()] + _shown_url(text, m.group(1), m.end(), len(text), bare=True)[0]
     out, pos = [], 0
-    for m in _URL_START.finditer(text):
-        start = m.end()
-        end = _authority_end(text, start)
-        userinfo, at, _host = text[start:end].rpartition("@")
-        if not at:  # a password with `/`, `?` or `#` in it: `rtsp://admin:Pa#ss1@cam/x`
-            stop = _TOKEN_END.search(text, start)
-            ui, at2, _ = text[start:stop.start() if stop else len(text)].rpartition("@")
-            if at2 and ":" in ui and "//" not in ui:  # errs on hiding: `http://h:80/u/bob@x` -> `http://***@x`
-                userinfo, at = ui, at2
-        if at and userinfo:  # `udp://@239.0.0.1:5000` (multicast: no userinfo) stays as it is
-            out += [text[pos:start], "***"]
-            pos = start + len(userinfo)
+    starts = list(_URL_START.finditer(text))
+    for i, m in enumerate(starts):
+        if m.start() < pos:  # inside the userinfo of the URL before (a password holding `x://`)
+            continue
+        line = _LINE_END.search(text, m.end())
+        stop = min(line.start() if line else len(text), starts[i + 1].start() if i + 1 < len(starts) else len(text))
+        shown, end = _shown_url(text, m.group(1), m.end(), stop, bare=False)
+        out += [text[pos:m.end()], shown]
+        pos = end
     out.append(text[pos:])
-    bare = _URL_START.match(text) is not None and "\n" not in text  # one URL, as configured: spaces are its own
-    return (_QUERY_PAIR_BARE if bare else _QUERY_PAIR).sub(_hide_credential, "".join(out))
+    return "".join(out)
 
 
-def _hide_credential(m: re.Match) -> str:
-    from urllib.parse import unquote
-    key = unquote(m.group(2)).lower()
-    if any(part in key for part in CREDENTIAL_KEY_PARTS):
-        return f"{m.group(1)}{m.group(2)}=***"
-    return m.group(0)
+def _shown_url(text: str, scheme: str, start: int, stop: int, bare: bool) -> tuple[str, int]:
+    """What follows `scheme://` (or `scheme:`) at text[start:], as shown, and where it ended: `stop` for a
+    whole URL; in a message, the end of the URL after its last `@` before `stop`."""
+    if scheme.lower() == "file":  # a local path: no credentials, and its name is what the user needs
+        end = stop if bare else _text_url_end(text, start, stop)
+        return text[start:end], end
+    out, host_shown = [], True
+    at = text.rfind("@", start, stop)
+    if at >= 0:
+        userinfo = text[start:at]
+        out.append(f"{_HIDDEN}@" if userinfo else "@")  # `udp://@239.0.0.1:5000`: multicast, no userinfo
+        host_shown = "?" not in userinfo and "#" not in userinfo
+        start = at + 1
+    end = stop if bare else _text_url_end(text, start, stop)
+    rest, hash_, fragment = text[start:end].partition("#")
+    rest, qmark, query = rest.partition("?")
+    host, slash, path = rest.partition("/")
+    out.append(host if host_shown and _HOST.fullmatch(host) else _HIDDEN)
+    if slash:
+        segments = [_shown_segment(s) for s in path.split("/")]
+        if scheme.lower() in ("rtmp", "rtmps") and segments[-1]:
+            segments[-1] = _HIDDEN  # rtmp://server/app/STREAM_KEY: the last segment is the stream's key
+        out += ["/", "/".join(segments)]
+    if qmark:
+        out += ["?", _shown_pairs(query, _QUERY_PART_SEP)]
+    if hash_:
+        out += ["#", _HIDDEN if fragment else ""]
+    return "".join(out), end
 
 
-def _authority_end(text: str, start: int) -> int:
-    """Where the authority that starts at `start` ends (a second URL's `//` ends it too)."""
-    stop = _AUTHORITY_END.search(text, start)
-    return stop.start() if stop else len(text)
+def _text_url_end(text: str, start: int, stop: int) -> int:
+    """Where a URL that goes on at `start` ends inside a message (not past `stop`)."""
+    m = _TEXT_URL_END.search(text, start, stop)
+    end = m.start() if m else stop
+    while end > start and text[end - 1] in _TRAILING_PUNCT:  # `see rtsp://cam/x.` or `(rtsp://cam/x)`
+        end -= 1
+    return end
+
+
+def _is_name(token: str) -> bool:
+    """A path segment or key name that may be shown: short, plain characters, no random-looking run."""
+    if _NAME.fullmatch(token) is None:
+        return False
+    return all(len(run) < 24 and run.isalpha() and run[1:].islower() for run in _LONG_RUN.findall(token))
+
+
+def _shown_segment(segment: str) -> str:
+    if "=" in segment:
+        return _shown_pairs(segment, _PATH_PART_SEP)
+    return segment if not segment or _is_name(segment) else _HIDDEN
+
+
+def _shown_pairs(text: str, sep: re.Pattern) -> str:
+    """`key=value` parts split at `sep` (its separators kept): SHOWN_KEYS keep their value, every other
+    value (and a part without `=`, which is a value) is `***`."""
+    parts = sep.split(text)
+    for i in range(0, len(parts), 2):  # the odd items are the separators
+        key, eq, _value = parts[i].partition("=")
+        if not eq:
+            parts[i] = _HIDDEN if key else ""
+        elif unquote(key).lower() not in SHOWN_KEYS:
+            parts[i] = f"{key if _is_name(unquote(key)) else _HIDDEN}={_HIDDEN}"
+    return "".join(parts)
 
 
 def _redact_bare(url: str) -> str:
@@ -81,10 +167,7 @@ def _redact_bare(url: str) -> str:
     start = m.end()
     while start < min(len(url), m.end() + 2) and url[start] == "/":  # `http:/host` reads like `http://host`
         start += 1
-    userinfo, at, _host = url[start:_authority_end(url, start)].rpartition("@")
-    if at and userinfo:
-        url = url[:start] + "***" + url[start + len(userinfo):]
-    return redact_url(url)
+    return url[:start] + _shown_url(url, m.group()[:-1], start, len(url), bare=True)[0]
 
 
 #: URL schemes read over the network: open/read timeouts always set, and reconnected when they end

@@ -17,12 +17,11 @@ import threading
 import time
 from typing import Optional
 
-import msgpack
 import zmq
 
 from engine.config import ClusterConfig, EngineConfig
-from engine.security.binds import ZMQ_HANDSHAKE_MS
-from engine.control.control_socket import encode_reply
+from engine.control.control_socket import serve_blocking
+from engine.security.sockets import bind_control_socket
 from engine.errors import ConfigError
 from engine.cluster.proxy import ResultsProxy
 
@@ -104,7 +103,7 @@ class ClusterDriver:
         self.proxy: Optional[ResultsProxy] = None
         self.controller = None
         self.adopted = False
-        self._ctl: Optional[zmq.Socket] = None
+        self._ctl = None  # ControlSocket, bound at start
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -117,13 +116,10 @@ class ClusterDriver:
         self.ray = ray
         try:
             self.proxy = ResultsProxy(self.cc.publish.endpoint, self.cc.publish.hwm, self._ctx)
-            self._ctl = self._ctx.socket(zmq.REP)
-            self._ctl.setsockopt(zmq.LINGER, 0)
-            self._ctl.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # as the engine's control socket
-            try:
-                self._ctl.bind(self.cc.control.endpoint)
-            except zmq.ZMQError as err:
-                raise ConfigError(f"cluster.control.endpoint: cannot bind {self.cc.control.endpoint!r}: {err}") from None
+            # bound as an engine's control socket (a ROUTER: no message shape can wedge it; peers that send
+            # nothing valid are closed), with the engine config's message cap
+            self._ctl = bind_control_socket(self.cc.control.endpoint, self.cfg.control.max_message_bytes,
+                                            ctx=self._ctx, key="cluster.control.endpoint")
             self.controller, self.adopted = controller(ray, self.tree, self.cc)
             if self.adopted:  # a cluster runs already: its config stays; ours adds what it lacks
                 log.warning("a vidar cluster runs already in namespace %r: adopting it (its engines keep their "
@@ -201,19 +197,11 @@ class ClusterDriver:
                 log.exception("cluster: following the engines' endpoints failed; retrying")
 
     def _serve_control(self) -> None:
-        sock = self._ctl
-        while not self._stop.is_set():
-            if not sock.poll(100):
-                continue
-            try:
-                req = msgpack.unpackb(sock.recv(), raw=False)
-                reply = self.control(req) if isinstance(req, dict) else {"ok": False, "error": "a request is a map"}
-            except Exception:
-                reply = {"ok": False, "error": "request is not valid msgpack"}
-            try:
-                sock.send(encode_reply(reply))  # a reply that cannot be encoded becomes an error reply
-            except zmq.ZMQError:  # the peer went; the REP socket is ready for the next request
-                log.exception("cluster: control reply not sent")
+        def handle(req: object) -> dict:
+            if not isinstance(req, dict):
+                return {"ok": False, "error": "a request is a map"}
+            return self.control(req)
+        serve_blocking(self._ctl, handle, self._stop)
 
     def status_lines(self) -> list[str]:
         reply = self.control({"op": "list"})
@@ -277,7 +265,7 @@ class _ClusterCollector:
         proxy = CounterMetricFamily("vidar_cluster_proxy_messages", "Messages through the results proxy",
                                     labels=["outcome"])
         proxy.add_metric(["forwarded"], self.driver.proxy.forwarded)
-        proxy.add_metric(["dropped"], self.driver.proxy.dropped)
+        proxy.add_metric(["missed"], self.driver.proxy.missed)  # by a full subscriber (the others got them)
         yield from (reloc, lost, engines, proxy)
 
 

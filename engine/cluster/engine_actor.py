@@ -50,7 +50,9 @@ class EngineActor:
         ctx = ray.get_runtime_context()
         self.name, self.node_id = name, ctx.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
-        self.engine = Engine(engine_config(tree, self.node_ip))
+        # keep_ended: the controller reconciles against this engine's streams; one forgotten after it ended
+        # would be taken for a lost stream and placed again
+        self.engine = Engine(engine_config(tree, self.node_ip), keep_ended=True)
         self.engine.start()
         self._last: dict[str, tuple] = {}
         self._cost: dict[str, tuple] = {}  # pool -> (busy s, frames run, cost per frame) at the last measurement

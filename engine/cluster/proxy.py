@@ -7,8 +7,9 @@ a subscriber's topics reach engines started after it subscribed. The XPUB side b
 
 Not `zmq.proxy()`: its sockets cannot be reconnected from another thread while it runs (ZeroMQ
 sockets are not thread-safe), so this loop owns both sockets and applies endpoint changes between
-polls. As the engines' publishers, the XPUB is NODROP: a message a full subscriber cannot take is
-dropped here and counted (`dropped`), never silently.
+polls. As the engines' publishers (engine/publish/delivery.py), a message a full subscriber cannot take
+is sent to the other subscribers and missed by that one alone, counted (`missed`) and the subscriber
+named in the log; the proxy never holds messages back (the engines' own publishers hold offline streams).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import Optional
 
 import zmq
 
-from engine.security.binds import ZMQ_HANDSHAKE_MS
+from engine.publish.delivery import Delivery
+from engine.security.binds import zmq_ipv6
+from engine.security.sockets import guard_socket
 from engine.errors import ConfigError
 
 log = logging.getLogger("vidar.cluster")
@@ -32,7 +35,9 @@ class ResultsProxy:
         self._xpub.setsockopt(zmq.SNDHWM, hwm)
         self._xpub.setsockopt(zmq.XPUB_NODROP, 1)
         self._xpub.setsockopt(zmq.LINGER, 0)
-        self._xpub.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # a peer that never handshakes: closed
+        self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription reaches the engines (and marks its peer)
+        self._xpub.setsockopt(zmq.IPV6, zmq_ipv6(endpoint))
+        guard_socket(self._xpub)  # no ZMTP 1.0 peers, the handshake deadline
         try:
             self._xpub.bind(endpoint)
         except zmq.ZMQError as err:
@@ -40,6 +45,7 @@ class ResultsProxy:
             raise ConfigError(f"cluster.publish.endpoint: cannot bind {endpoint!r}: {err} "
                               "(another vidar running? pick another port)") from None
         self.endpoint = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._delivery = Delivery(self._xpub, f"results proxy {self.endpoint}")
         self._xsub = self._ctx.socket(zmq.XSUB)
         self._xsub.setsockopt(zmq.LINGER, 0)
         self._xsub.setsockopt(zmq.RCVHWM, hwm)
@@ -48,7 +54,6 @@ class ResultsProxy:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.forwarded = 0
-        self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="results-proxy", daemon=True)
         self._thread.start()
 
@@ -56,6 +61,11 @@ class ResultsProxy:
         """The engines' publisher endpoints now (applied by the proxy thread within 0.1 s)."""
         with self._lock:
             self._wanted = set(endpoints)
+
+    @property
+    def missed(self) -> int:
+        """Messages a full subscriber missed (the others received them)."""
+        return self._delivery.missed
 
     @property
     def upstreams(self) -> set[str]:
@@ -85,26 +95,22 @@ class ResultsProxy:
                 self._apply()
                 events = dict(poller.poll(100))
                 if self._xpub in events:  # subscriptions, upstream
-                    while True:
-                        try:
-                            self._xsub.send_multipart(self._xpub.recv_multipart(zmq.NOBLOCK))
-                        except zmq.Again:
-                            break
+                    for sub in self._delivery.read_subscriptions():
+                        self._xsub.send(sub)
+                self._delivery.tick()
                 if self._xsub in events:  # messages, downstream
                     for _ in range(1000):
                         try:
                             msg = self._xsub.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        try:
-                            self._xpub.send_multipart(msg, zmq.NOBLOCK)
-                            self.forwarded += 1
-                        except zmq.Again:
-                            self.dropped += 1
+                        self._delivery.send(msg, lossless=False)
+                        self.forwarded += 1
         except Exception:
             log.exception("results proxy crashed")
         finally:
             self._xsub.close(0)
+            self._delivery.close()
             self._xpub.close(0)
 
     def close(self) -> None:

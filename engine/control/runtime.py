@@ -37,7 +37,10 @@ class StatusPrinter:
     def lines(self) -> list[str]:
         now = time.monotonic()
         out = []
-        entries = [e for e in self.engine.streams.values() if e.state != "removing"]
+        listed = self.engine.streams
+        entries = [e for e in listed.values() if e.state != "removing"]
+        for key in [k for k in self._last if k[1] not in listed]:  # forgotten streams: kept bounded
+            del self._last[key]
         for name, pool in self.engine.pools.items():
             for entry in [e for e in entries if name in e.pools]:
                 out.append(self._line(name, pool, entry, now))
@@ -104,7 +107,7 @@ async def _main(engine: Engine) -> int:
     status = StatusPrinter(engine)
     interval = engine.cfg.status.interval_s
     next_status = time.monotonic() + interval
-    code = EXIT_OK
+    code, dead = EXIT_OK, None
     while not stop.is_set():
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.1)
@@ -138,7 +141,9 @@ async def _main(engine: Engine) -> int:
                 log.error("control socket: %s: %s", type(err).__name__, err)
     if view is not None:
         await view.stop()
-    await loop.run_in_executor(None, lambda: engine.stop(drain=code == EXIT_OK))
+    # every stream's eos names why it ended: engine death's cause (a control task that kept crashing, ...)
+    why = f"engine dead: {dead}" if dead else "shutdown"
+    await loop.run_in_executor(None, lambda: engine.stop(drain=code == EXIT_OK, reason=why))
     status.print()
     if code == EXIT_OK and engine.any_failed():
         code = EXIT_STREAM_FAILED

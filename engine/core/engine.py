@@ -36,8 +36,13 @@ log = logging.getLogger("vidar.engine")
 
 class Engine:
     def __init__(self, cfg: EngineConfig, *, models: Optional[dict[str, ModelRunner | list[ModelRunner]]] = None,
-                 model_factories: Optional[dict] = None, ctx: Optional[zmq.Context] = None):
+                 model_factories: Optional[dict] = None, ctx: Optional[zmq.Context] = None,
+                 keep_ended: bool = False):
+        """`keep_ended`: streams that end stay listed until removed (a cluster's engines: their controller
+        reconciles against `list` and removes them); by default they go after `ended_keep_s` or beyond
+        `max_ended` (engine/core/stream_table.py)."""
         self.cfg = cfg
+        self._keep_ended = keep_ended
         self.state = "created"
         self._injected = {k: (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in (models or {}).items()}
         self._factories = dict(model_factories or {})
@@ -115,7 +120,8 @@ class Engine:
             if not self.publisher.wait_subscribers(cfg.publish.min_subscribers, cfg.publish.wait_subscribers_s):
                 raise EngineDeadError(f"publish.min_subscribers={cfg.publish.min_subscribers}: no subscriber "
                                       f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
-        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view)
+        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view,
+                                 keep_ended=self._keep_ended)
         supervised = [self.publisher.health] + ([self.view.health] if self.view is not None else [])
         self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s,
                                supervised=supervised)
@@ -145,6 +151,12 @@ class Engine:
     def control(self, request: object, timeout: float = 10.0) -> dict:
         """One control request, as the control socket takes it; never raises (errors are replies)."""
         from engine.core.ops import handle
+        from engine.util.request_fields import text_error
+        # every way in (control socket, view API, cluster) passes here: text that is not UTF-8 stops here
+        bad_text = text_error(request)
+        if bad_text is not None:
+            op = request.get("op") if isinstance(request, dict) else None
+            return {"ok": False, "error": f"{op[:40]}: {bad_text}" if isinstance(op, str) and op.isascii() else bad_text}
         return handle(self, request, timeout)
 
     def pool_serving(self, op: str) -> Optional[Pool]:
@@ -156,13 +168,17 @@ class Engine:
         for entry in self.table.snapshot() if self.table else []:
             if entry.state == "removing":
                 continue
-            d = self.table.describe(entry.id)
+            d = self.table.describe(entry)
             d["pools"] = {name: {"published": (s := self.pools[name].acct.snapshot(entry.id)).published,
                                  "dropped": s.dropped} for name in entry.pools}
             for extra in extras.values():
                 d.update(extra.get(entry.id, {}))
             out[entry.id] = d
         return out
+
+    def ended_streams(self) -> list[dict]:
+        """Final state of the last `max_ended` streams forgotten after they ended by themselves, oldest first."""
+        return self.table.ended() if self.table else []
 
     def live_streams(self) -> list[str]:
         return [e.id for e in self.table.snapshot() if e.state != "removing"] if self.table else []
@@ -182,8 +198,13 @@ class Engine:
                 out["reconnects"][entry.id] = entry.ingest.reconnects
         if self.publisher is not None:
             out["events_dropped"] = dict(self.publisher.stats.events_dropped)
+            out["publish_missed"] = dict(self.publisher.stats.missed)
+            out["slow_subscribers"] = len(self.publisher.slow_subscribers())
+        if self.control_socket is not None:
+            out["control_malformed"] = self.control_socket.malformed
         if self.table is not None:
             out["decoder_threads_stuck"] = self.table.stuck_decoders
+            out["streams_forgotten"] = dict(self.table.forgotten)
         if self.view is not None:
             out["view_frames"] = self.view.counters()
         for pool in self.pools.values():
@@ -198,9 +219,11 @@ class Engine:
 
     # -- state ------------------------------------------------------------------------------------------------
     def finished(self) -> bool:
-        """Every stream has ended and its eos was published (removed streams count as ended)."""
+        """Every stream has ended and its eos was published (removed streams, and ended streams forgotten
+        since, count as ended)."""
         entries = self.table.snapshot() if self.table else []
-        return bool(entries) and all(e.eos_sent for e in entries)
+        forgotten = self.table is not None and any(self.table.forgotten.values())
+        return (bool(entries) or forgotten) and all(e.eos_sent for e in entries)
 
     def check_dead(self) -> Optional[str]:
         return self.core.dead if self.core else None
@@ -210,21 +233,26 @@ class Engine:
         return self.check_dead()
 
     def any_failed(self) -> bool:
-        return any(e.failed or (e.ingest is not None and e.ingest.failed) for e in self.table.snapshot()) \
-            if self.table else False
+        """A stream failed: one still listed, or one forgotten since it failed (exit code 1)."""
+        if self.table is None:
+            return False
+        return self.table.forgotten["failed"] > 0 or \
+            any(e.failed or (e.ingest is not None and e.ingest.failed) for e in self.table.snapshot())
 
     # -- stop -------------------------------------------------------------------------------------------------
-    def stop(self, *, drain: bool = True) -> None:
+    def stop(self, *, drain: bool = True, reason: str = "shutdown") -> None:
+        """Stop every stream (each eos says `reason`: the runtime passes engine death's cause), then the
+        engine's threads and sockets."""
         if self.state in ("stopping", "stopped"):
             return
         self.state = "stopping"
         t_end = time.monotonic() + self.cfg.shutdown_timeout_s
         if self.core is not None and self.core.alive:
-            self.core.submit(Stop(drain))
+            self.core.submit(Stop(drain, reason))
             if not self.core.join(self.cfg.shutdown_timeout_s + 2.0):
                 log.error("engine core did not stop in time")
         elif self.core is not None:  # the core died or never ran: this thread is the owner now
-            self.core.end_all(stop=self.core.dead or "shutdown", drop=DropReason.SHUTDOWN)
+            self.core.end_all(stop=self.core.dead or reason, drop=DropReason.SHUTDOWN)
         for name, pool in self.pools.items():
             if not pool.stop(max(0.1, t_end - time.monotonic())):
                 log.warning("pool %s: a worker still runs a batch after shutdown_timeout_s=%g s (the process may "

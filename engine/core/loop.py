@@ -120,7 +120,7 @@ class EngineCore(OwnThread):
             case RemoveStream():
                 return self.table.remove(req.stream, req.reason)  # resolves when its eos is queued
             case Stop():
-                return self.begin_stop(req.drain)
+                return self.begin_stop(req.drain, req.reason)
         raise ControlError(f"the engine core does not take a {type(req).__name__} request; it takes "
                            f"{', '.join(t.__name__ for t in get_args(CoreRequest))}")
 
@@ -149,12 +149,13 @@ class EngineCore(OwnThread):
             log.exception("while failing the frames in flight")
 
     # -- shutdown -------------------------------------------------------------------------------------
-    def begin_stop(self, drain: bool) -> None:
-        """Core thread (a Stop request): stop the decoders; drain for up to shutdown_timeout_s, or abort now."""
+    def begin_stop(self, drain: bool, reason: str = "shutdown") -> None:
+        """Core thread (a Stop request): stop the decoders; drain for up to shutdown_timeout_s, or abort now.
+        `reason` is what each stream's eos says."""
         if self.state != "running":
             return
         self.state = "draining"
-        self.table.stop_all("shutdown")
+        self.table.stop_all(reason)
         self._drain_until = self._clock() + (self._shutdown_timeout_s if drain else 0.0)
         self._draining = drain
 

@@ -3,7 +3,7 @@ checked and turned into a typed request to the thread that owns what it changes:
 core (requests.py), object ops to the output stage of the pool that serves them. No transport here: the
 ZeroMQ socket is engine/control/control_socket.py.
 
-    {"op": "list"}
+    {"op": "list"}                       # "streams", and "ended": the last max_ended streams forgotten after they ended
     {"op": "add_stream", "stream": {"id": "cam2", "url": "rtsp://...", "mode": "live"}}
     {"op": "remove_stream", "stream": "cam2"}                                     # optional "reason": the eos's
     {"op": "add_object", "stream": "cam1", "id": 3, "box": [x0, y0, x1, y1]}      # or "points": [[x, y, 1], ...]
@@ -57,7 +57,8 @@ def handle(engine, req: Any, timeout: float = 10.0) -> dict:
         if not isinstance(op, str):
             raise ControlError(f"a request is a map with an 'op' key, one of {list(OPS)}")
         if op == "list":
-            return {"ok": True, "streams": engine.describe()}
+            # "ended": the final state of streams forgotten after they ended (bounded: max_ended)
+            return {"ok": True, "streams": engine.describe(), "ended": engine.ended_streams()}
         if op == "add_stream":
             try:
                 scfg = StreamConfig.model_validate(need(req, "stream", dict))

@@ -36,6 +36,7 @@ class RemoveStream:
 class Stop:
     drain: bool  # True: the pools finish what they hold (up to shutdown_timeout_s), then the rest is dropped;
     #              False: what is left is dropped now. Resolves once the decoders are told to stop.
+    reason: str = "shutdown"  # every stream's eos says it (engine death names its cause here)
 
 
 # Requests the engine core accepts; it runs them on its thread, between steps, in the order they came.

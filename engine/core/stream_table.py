@@ -9,13 +9,24 @@ A stream's eos is queued at the publisher once no pool it feeds holds any of its
 rings are closed and empty, nothing in a scheduler, on a worker or in an output stage), so it
 follows the stream's last result. A removed stream is forgotten (counters, metric series,
 outbox) once its eos has been sent; an add of the same id waits for that.
+
+A stream added at run time that ends by itself (a finite file, a failure) is forgotten the same way,
+`ended_keep_s` after its eos went out or as soon as more than `max_ended` such streams are kept
+(oldest first), so that accepted adds cannot pile up entries, rings, metric series and view slots for
+ever (issue 31); `max_streams` counts running streams only. Its final state goes into `ended`, a
+history of the last `max_ended`, which `list` returns. The config's own streams are kept (they are
+at most `max_streams`, and `vidar run` prints their final progress), and so is everything once the
+engine stops or dies (the final status and eos reasons), and in a cluster's engines (`keep_ended`:
+the controller reconciles against `list` and would take a forgotten stream for a lost one).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -50,6 +61,10 @@ class StreamEntry:
     eos_sent: bool = False
     removal: Optional[Future] = None  # resolved when the eos of a removed stream is queued
     reap_by: float = 0.0              # monotonic: a removed stream's decoder thread should have ended by then
+    eos_reason: str = ""              # the reason its eos carried
+    ended_at: float = 0.0             # monotonic, when its eos was sent (an ended stream is kept from then)
+    ended_wall: float = 0.0           # the same moment, wall clock (shown in the history)
+    kept: bool = False                # a stream of the config: never forgotten by itself
 
     @property
     def id(self) -> str:
@@ -66,7 +81,8 @@ class StreamEntry:
 
 class StreamTable:
     def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
-                 emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None):
+                 emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None,
+                 keep_ended: bool = False):
         self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
         self._view = view  # the live view's hub, or None
         self._entries: dict[str, StreamEntry] = {}
@@ -81,6 +97,13 @@ class StreamTable:
         src = cfg.source
         self.reap_bound_s = 2 * (src.open_timeout_s + src.stall_timeout_s) + 5.0
         self.stuck_decoders = 0  # decoder threads that outlived reap_bound_s after their stream was removed
+        # Ended streams (see the module docstring): what is left of the forgotten ones. The deque is
+        # appended on the core thread and copied by the control socket's and the view's threads: a lock.
+        self.keep_ended = keep_ended
+        self._ended: deque[dict] = deque(maxlen=cfg.max_ended)
+        self._ended_lock = threading.Lock()
+        self.forgotten = {"ended": 0, "failed": 0}  # ended streams forgotten so far (the history keeps the last)
+        self._stopping = False  # stop_all ran: nothing more is forgotten (the final status shows every stream)
 
     # -- reads (any thread) --------------------------------------------------------------------
     def snapshot(self) -> list[StreamEntry]:
@@ -89,18 +112,30 @@ class StreamTable:
     def get(self, stream: str) -> Optional[StreamEntry]:
         return self._entries.get(stream)
 
+    def ended(self) -> list[dict]:
+        """The final state of the last `max_ended` streams forgotten after they ended, oldest first."""
+        with self._ended_lock:
+            return [dict(r) for r in self._ended]
+
     # -- core thread ------------------------------------------------------------------------------
     def add(self, scfg: StreamConfig, fut: Optional[Future] = None) -> Future:
         """Start a stream. The future resolves when it runs, or with a ControlError."""
         fut = fut or Future()
         old = self._entries.get(scfg.id)
-        if old is not None and old.state != "removing":
+        if old is not None and old.state == "running":
             settle(fut, exc=ControlError(f"add_stream: stream id {scfg.id!r} is already running; remove it first"))
             return fut
-        running = sum(e.state == "running" for e in self._entries.values())
+        if old is not None and old.state == "ended":
+            kept = "(a stream of the config)" if old.kept else "until removed" if self.keep_ended else \
+                f"for ended_keep_s={self.cfg.ended_keep_s:g} s"
+            settle(fut, exc=ControlError(f"add_stream: stream id {scfg.id!r} has ended and stays listed {kept}; "
+                                         "remove it first to use its id again"))
+            return fut
+        self._forget_ended()  # first: what may go now leaves room, and the bound holds at every add
+        running = sum(self._holds_a_slot(e) for e in self._entries.values())
         if running >= self.cfg.max_streams:
-            settle(fut, exc=ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running; "
-                                           "remove one first or raise max_streams"))
+            settle(fut, exc=ControlError(f"add_stream: max_streams={self.cfg.max_streams} streams are running (or "
+                                         "still sending their eos); remove one first or raise max_streams"))
             return fut
         pools = scfg.pools or list(self._pools)
         unknown = [p for p in pools if p not in self._pools]
@@ -140,15 +175,16 @@ class StreamTable:
                                          f"{redact_url(f'{type(err).__name__}: {err}')}"))
             return fut
         try:
-            self._start(scfg, pools, source)
+            # identity, not equality: an add_stream request builds a new StreamConfig even for the same values
+            self._start(scfg, pools, source, kept=any(s is scfg for s in self.cfg.streams))
         except SourceError as err:  # its frames would not fit the frame memory, or its start failed (undone)
             settle(fut, exc=ControlError(f"add_stream: {err.reason}"))
             return fut
         settle(fut, scfg.id)
         return fut
 
-    def _start(self, scfg: StreamConfig, pools: list[str], source) -> None:
-        entry = StreamEntry(scfg, pools)
+    def _start(self, scfg: StreamConfig, pools: list[str], source, kept: bool = False) -> None:
+        entry = StreamEntry(scfg, pools, kept=kept)
         live = scfg.mode == "live"
         r = self.cfg.ring
         for name in pools:
@@ -174,6 +210,7 @@ class StreamTable:
             if self._view is not None:
                 self._view.expect(scfg.id, pools)
             self._entries[scfg.id] = entry
+            self._publisher.note_mode(scfg.id, live)  # its events wait for a full subscriber only if offline
             for name in pools:
                 self._pools[name].attach(entry.rings[name])
             rings = list(entry.rings.values())
@@ -200,6 +237,7 @@ class StreamTable:
         for ring in entry.rings.values():
             ring.close()
         self._entries.pop(entry.id, None)
+        self._publisher.forget(entry.id)
         if self._view is not None:
             self._view.forget(entry.id)
 
@@ -233,6 +271,7 @@ class StreamTable:
     def stop_all(self, reason: str) -> None:
         """Shutdown or engine death: decoders stop, rings close; what was decoded is still processed
         (drain) unless the pools are aborted."""
+        self._stopping = True
         for entry in self._entries.values():
             if not entry.reason and not entry.eos_queued:
                 entry.reason = reason
@@ -243,12 +282,57 @@ class StreamTable:
                     ring.close()
 
     def poll(self) -> None:
-        """Queue the eos of every stream that is done, forget removed streams whose eos went out."""
+        """Queue the eos of every stream that is done, forget removed streams whose eos went out and
+        ended ones past their keep (time or count)."""
         for entry in list(self._entries.values()):
             if not entry.eos_queued and self._done(entry):
                 self._queue_eos(entry)
             if entry.state == "removing" and entry.eos_sent and self._reaped(entry):
                 self._forget(entry)
+        self._forget_ended()
+
+    @staticmethod
+    def _holds_a_slot(e: StreamEntry) -> bool:
+        """Counted against max_streams: a running stream, and one that ended but is not done yet (its eos
+        still queued, its decoder thread still leaving), so that the streams listed stay within
+        max_streams + max_ended + the config's own, at every add."""
+        if e.state == "running":
+            return True
+        return e.state == "ended" and not (e.eos_sent and (e.ingest is None or not e.ingest.alive))
+
+    def _forget_ended(self) -> None:
+        """Streams added at run time that ended by themselves go after ended_keep_s, or oldest first while
+        more than max_ended are kept; their final state goes into the history."""
+        if self.keep_ended or self._stopping or self.dead_reason:
+            return
+        done = sorted((e for e in self._entries.values() if e.state == "ended" and e.eos_sent and not e.kept),
+                      key=lambda e: e.ended_at)
+        if not done:
+            return
+        excess, now = len(done) - self.cfg.max_ended, time.monotonic()
+        for i, entry in enumerate(done):
+            if i >= excess and now - entry.ended_at < self.cfg.ended_keep_s:
+                break  # sorted: every later one ended later still
+            if self._reaped(entry):  # its decoder thread is gone (it normally is: the stream ended)
+                self._record(entry)
+                self._forget(entry)
+
+    def _record(self, entry: StreamEntry) -> None:
+        failed = entry.failed or (entry.ingest is not None and entry.ingest.failed)
+        counts = {}
+        for name in entry.pools:
+            s = self._pools[name].acct.snapshot(entry.id)
+            counts[name] = {"ingested": s.ingested, "published": s.published, "dropped": dict(s.dropped),
+                            "failed": dict(s.failed)}
+        # the reason is bounded (an error text may quote a long URL) and, like every shown text, redacted
+        rec = {"id": entry.id, "url": redact_url(entry.cfg.url), "mode": entry.cfg.mode,
+               "state": "failed" if failed else "ended", "reason": redact_url(entry.eos_reason)[:500],
+               "counts": counts, "ended_at": round(entry.ended_wall, 3)}
+        with self._ended_lock:
+            self._ended.append(rec)
+        self.forgotten[rec["state"]] += 1
+        log.info("stream %s %s (%s) and is forgotten; its final state stays in list's ended", entry.id,
+                 rec["state"], rec["reason"])
 
     def _done(self, entry: StreamEntry) -> bool:
         # A closed ring takes no more frames (its decoder thread may still be leaving a blocking read).
@@ -269,8 +353,12 @@ class StreamTable:
             reason = ingest.end_reason
         else:
             reason = entry.reason or "end of stream"
+        entry.eos_reason = reason
 
-        def sent() -> None:
+        def sent() -> None:  # publisher thread; the core reads ended_at only once eos_sent is true
+            entry.ended_at, entry.ended_wall = time.monotonic(), time.time()
+            if entry.state != "removing":  # a removal set its own bound
+                entry.reap_by = entry.ended_at + self.reap_bound_s
             entry.eos_sent = True
             self._wake()
 
@@ -290,7 +378,7 @@ class StreamTable:
         if time.monotonic() < entry.reap_by:
             return False
         self.stuck_decoders += 1
-        log.error("stream %s: decoder thread still running %.0f s after the stream was removed (blocked in a "
+        log.error("stream %s: decoder thread still running %.0f s after the stream was removed or ended (blocked in a "
                   "read that cannot be interrupted?): forgetting the stream, leaving the thread behind "
                   "(%d such threads so far)", entry.id, self.reap_bound_s, self.stuck_decoders)
         return True
@@ -298,7 +386,13 @@ class StreamTable:
     def _forget(self, entry: StreamEntry) -> None:
         del self._entries[entry.id]
         for name in entry.pools:
-            self._pools[name].acct.forget(entry.id)
+            pool = self._pools[name]
+            # A stream that ended by itself (or was removed after it ended) is still attached: its closed,
+            # empty ring, the pool's holder for it, the scheduler's, ladder's and output stage's state go now
+            # (nothing of it is left to drop: its eos went out after every frame ended).
+            if pool.rings.get(entry.id) is entry.rings.get(name):
+                pool.detach(entry.id, DropReason.STREAM_REMOVED)
+            pool.acct.forget(entry.id)
         self._publisher.forget(entry.id)
         if self._view is not None:
             self._view.forget(entry.id)
@@ -315,8 +409,8 @@ class StreamTable:
         stream feeding one is decoded on the CPU, since its frames go into every pool's ring alike."""
         return [p for p in pools if not all(getattr(m, "accepts_nv12", False) for m in self._pools[p].spec.models)]
 
-    def describe(self, stream: str) -> dict:
-        e = self._entries[stream]
+    def describe(self, e: StreamEntry) -> dict:
+        """`e` from snapshot(): by entry, not id, since the core may forget the stream meanwhile."""
         source = e.ingest.source if e.ingest is not None else None
         return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools),
                 # where its video is decoded and why (auto falls back to the CPU with a reason)

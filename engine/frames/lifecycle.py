@@ -20,7 +20,6 @@ class DropReason(str, Enum):
     INTERVAL = "interval"            # live: not sampled while the degradation ladder processes every k-th frame
     LATE = "late"                    # finished after its deadline; never published late
     PUBLISH_QUEUE = "publish_queue"  # live: publisher thread's queue full
-    PUBLISH_HWM = "publish_hwm"      # live: a subscriber's ZeroMQ queue full (HWM)
     SHUTDOWN = "shutdown"            # aborted at shutdown after the drain timeout
     STREAM_REMOVED = "stream_removed"  # its stream was removed while the frame was queued or running
 

@@ -31,6 +31,8 @@ STREAM_COUNTERS = {  # name -> help; values come from the engine's per-stream co
     "decode_errors": "Corrupt packets skipped (the decoder resyncs at the next keyframe)",
     "reconnects": "Network sessions that ended and were reconnected",
     "events_dropped": "Events dropped: more than 64 of a stream's events were held back by a subscriber at its HWM",
+    "publish_missed": "Messages sent while a subscriber's queue was full: that subscriber missed them, the others "
+                      "received them (live streams; the slow subscriber is named in the log)",
     "object_failures": "Tracked objects whose step failed on a frame (their memory is left as it was)",
 }
 
@@ -67,6 +69,22 @@ class _AccountingCollector:
                                         "blocked after the reap bound (a read that cannot be interrupted), let go")
             stuck.add_metric([], counters["decoder_threads_stuck"])
             yield stuck
+        if "slow_subscribers" in counters:
+            slow = GaugeMetricFamily("vidar_publish_slow_subscribers", "Subscribers whose queue is full now (not "
+                                     "reading); each is named in the log with how long")
+            slow.add_metric([], counters["slow_subscribers"])
+            yield slow
+        if "control_malformed" in counters:
+            bad = CounterMetricFamily("vidar_control_malformed_requests", "Control requests refused for their shape "
+                                      "(not one msgpack frame after the empty delimiter) or payload (not msgpack)")
+            bad.add_metric([], counters["control_malformed"])
+            yield bad
+        if "streams_forgotten" in counters:  # an ended stream's own series go with it; this counts them
+            gone = CounterMetricFamily("vidar_streams_forgotten", "Streams forgotten after they ended by themselves "
+                                       "(ended_keep_s, max_ended), by final state", labels=["state"])
+            for state, n in counters["streams_forgotten"].items():
+                gone.add_metric([state], n)
+            yield gone
         view = CounterMetricFamily("vidar_view_frames", "Live view: frames its tap took, by outcome (shown; busy: "
                                    "replaced before encoding; unmatched: no result came; superseded: a newer frame "
                                    "was shown; results_overflow: results the view could not keep up with)",

@@ -5,20 +5,26 @@ The socket is an XPUB with XPUB_NODROP, so a send into a full subscriber queue (
 EAGAIN instead of vanishing: plain PUB with the default HWM silently lost 30 % of an unpaced
 burst here (shared/STACK.md). Each stream has its own FIFO outbox (its results and its events, in
 order: a stream's eos always follows its last result). The thread serves the outboxes round-robin
-and never blocks on a send:
+and never blocks on a send (engine/publish/delivery.py):
   * a live result past its deadline is dropped (`late`): never published late;
-  * a live result refused by the HWM is dropped and counted (`publish_hwm`);
-  * an offline result or an event refused by the HWM stays at the head of its stream's outbox and
+  * a live result or a live stream's event that a full subscriber cannot take is sent to every other
+    subscriber; the full one misses it (counted per stream: `missed`, vidar_publish_missed_total) and
+    is named in the log with how long it has been full: one subscriber that stops reading costs only
+    itself;
+  * an offline result or event refused by a full subscriber stays at the head of its stream's outbox and
     is retried after a short pause, while the other streams go on. The offline stream itself
     stops: the engine core takes no more of its frames while its outbox is full (credit), so its
-    ring fills and its decoder waits (back-pressure), and nothing else is delayed.
+    ring fills and its decoder waits (back-pressure), and nothing else is delayed. Any connected
+    subscriber of the stream's topic holds it back this way (lossless delivery to every subscriber).
+    An event of a stream whose mode is not known yet (no result yet) waits up to EVENT_WAIT_S as an
+    offline one, then goes as a live one.
 Bounds, per stream: live results `publish.queue_size` (over it: dropped, `publish_queue`), offline
 results the same (enforced upstream by the core's credit), events `EVENTS_PER_STREAM` (over it the
 oldest non-eos event is dropped and counted in `events_dropped`).
 
-With XPUB_NODROP, a message fails for every subscriber of its topic when one of them is full:
-a subscriber of `classify.` at its HWM drops (live) or holds back (offline) every stream's results
-for all, but a subscriber of `classify.cam1` only cam1's. Plain PUB would drop per subscriber, uncounted.
+Peers that do not complete ZeroMQ's handshake within its limit are closed and ZMTP 1.0 peers (two bytes,
+`01 00`, made a raw TCP peer a subscriber of everything) are refused (engine/security/sockets.py
+`guard_socket`).
 
 Lock order: a pool's ledger lock (Accounting.lock) before this publisher's lock, never the reverse.
 Results move into an outbox and out of it (published or dropped) under both, so the pool's
@@ -36,10 +42,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from engine.frames.accounting import Accounting
-from engine.security.binds import ZMQ_HANDSHAKE_MS
+from engine.publish.delivery import Delivery, Sent
+from engine.security.binds import zmq_ipv6
+from engine.security.sockets import guard_socket
 from engine.config import PublishConfig
 from engine.frames.lifecycle import DropReason, FailReason, FrameMeta
 from engine.publish.schema import EVENT_KINDS, event_message, pack, result_message, topic
@@ -47,6 +54,7 @@ from engine.publish.schema import EVENT_KINDS, event_message, pack, result_messa
 log = logging.getLogger("vidar.publish")
 
 EVENTS_PER_STREAM = 64   # pending events per stream (a subscriber at its HWM holds them back)
+EVENT_WAIT_S = 2.0       # an event of a stream of unknown mode waits this long for a full subscriber
 SEND_ROUND = 32          # messages of one stream per round-robin turn
 RETRY_MIN_S, RETRY_MAX_S = 0.0002, 0.02  # pause before retrying a refused offline result or event
 LOG_EVERY_S = 5.0        # dropped events are logged in aggregate
@@ -79,13 +87,15 @@ class _Outbox:
     events: int = 0
     retry_at: float = 0.0  # parked until then (the head was refused)
     pause: float = RETRY_MIN_S
+    is_live: Optional[bool] = None  # the stream's mode (from its results, or note_mode); None: not known yet
+    refused_since: Optional[float] = None  # when its head was first refused (events of unknown mode)
 
 
 @dataclass
 class PublisherStats:
     sent: int = 0
     events: int = 0
-    hwm_drops: int = 0
+    missed: Counter = field(default_factory=Counter)          # per stream: messages a full subscriber missed
     events_dropped: Counter = field(default_factory=Counter)  # per stream; the metric reads it
     encode_errors: Counter = field(default_factory=Counter)   # per stream: messages msgpack could not encode
 
@@ -100,9 +110,8 @@ class Publisher:
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)
         self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription message, to see subscriptions
         self._sock.setsockopt(zmq.LINGER, 500)
-        self._sock.setsockopt(zmq.HANDSHAKE_IVL, ZMQ_HANDSHAKE_MS)  # a peer that never handshakes: closed
-        if curve is not None:
-            curve.server_socket(self._sock)
+        self._sock.setsockopt(zmq.IPV6, zmq_ipv6(cfg.endpoint))
+        guard_socket(self._sock, curve=curve)  # CURVE, no ZMTP 1.0 peers, the handshake deadline
         try:
             self._sock.bind(cfg.endpoint)
         except zmq.ZMQError as err:
@@ -113,8 +122,8 @@ class Publisher:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         # Subscribers are peers, not subscriptions (one subscriber may subscribe to many topics): the
         # socket monitor reports each accepted connection and its end, by file descriptor.
-        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        self._peers: set[int] = set()
+        self._delivery = Delivery(self._sock, f"publisher {self.endpoint}")
+        self._peer_count = 0
         self.subscriptions = 0
         self._subscribed = threading.Condition()
         self._cond = threading.Condition()  # guards the outboxes; producers notify the thread
@@ -125,6 +134,7 @@ class Publisher:
         self._abort = threading.Event()
         self.stats = PublisherStats()
         self._evict_logged: dict[str, float] = {}
+        self._slow: list[dict] = []  # subscribers whose queue is full (read by slow_subscribers)
         self._encode_logged: dict[str, float] = {}
         self.dead: Optional[str] = None  # why the thread died (a bug); None while it serves
         self._on_publish_latency = on_publish_latency
@@ -149,6 +159,7 @@ class Publisher:
                     acct.drop(meta.stream, DropReason.PUBLISH_QUEUE)
                     continue
                 box.items.append(_Result(acct, meta, kind, weights, fields, now))
+                box.is_live = meta.live
                 if meta.live:
                     box.live += 1
                 else:
@@ -197,6 +208,11 @@ class Publisher:
                 return True
         return False
 
+    def note_mode(self, stream: str, live: bool) -> None:
+        """The stream's mode, known before its first result (its events then know how to wait)."""
+        with self._cond:
+            self._box(stream).is_live = live
+
     def backlog(self, stream: str) -> int:
         """Offline results of a stream waiting to be sent (the core's credit counts them through `held`)."""
         with self._cond:
@@ -219,6 +235,7 @@ class Publisher:
                     held.pop(stream, None)
             self.stats.events_dropped.pop(stream, None)
             self.stats.encode_errors.pop(stream, None)
+            self.stats.missed.pop(stream, None)
             self._evict_logged.pop(stream, None)
             self._encode_logged.pop(stream, None)
 
@@ -229,7 +246,7 @@ class Publisher:
         CURVE never subscribes)."""
         deadline = time.monotonic() + timeout
         with self._subscribed:
-            while len(self._peers) < n or self.subscriptions < n:
+            while self._peer_count < n or self.subscriptions < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -238,37 +255,36 @@ class Publisher:
 
     @property
     def subscribers(self) -> int:
-        return len(self._peers)
+        return self._peer_count
+
+    def slow_subscribers(self) -> list[dict]:
+        """Subscribers whose queue is full now: address and for how long (seconds)."""
+        with self._cond:
+            return list(self._slow)
 
     # -- publisher thread -----------------------------------------------------------------------
     def _read_subscriptions(self) -> None:
-        while True:
-            try:
-                msg = self._sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if msg[:1] in (b"\x00", b"\x01"):
-                with self._subscribed:
-                    self.subscriptions += 1 if msg[:1] == b"\x01" else -1
-                    self._subscribed.notify_all()
-        while True:
-            try:
-                ev = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            with self._subscribed:
-                if ev["event"] == zmq.EVENT_ACCEPTED:
-                    self._peers.add(ev["value"])
-                elif ev["event"] == zmq.EVENT_DISCONNECTED:
-                    self._peers.discard(ev["value"])
-                self._subscribed.notify_all()
+        msgs = self._delivery.read_subscriptions()
+        self._delivery.tick()
+        peers = len(self._delivery.watch.peers)
+        now = time.monotonic()
+        slow = [{"peer": p.address, "full_s": round(now - p.slow_since, 1)} for p in self._delivery.slow()]
+        with self._cond:
+            self._slow = slow
+        if not msgs and peers == self._peer_count:
+            return
+        with self._subscribed:
+            for msg in msgs:
+                self.subscriptions += 1 if msg[:1] == b"\x01" else -1
+            self._peer_count = peers
+            self._subscribed.notify_all()
 
-    def _send(self, frames: list[bytes]) -> bool:
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+    def _send(self, stream: str, frames: list[bytes], lossless: bool) -> bool:
+        """True when sent (to every subscriber, or to all but a full one: counted in `missed`)."""
+        sent = self._delivery.send(frames, lossless=lossless)
+        if sent is Sent.MISSED:
+            self.stats.missed[stream] += 1
+        return sent is not Sent.REFUSED
 
     def _serve(self, stream: str, now: float) -> None:
         """Send up to SEND_ROUND messages of one stream; park it when the head is refused."""
@@ -287,18 +303,29 @@ class Publisher:
                 except Exception as err:  # cannot happen with our events' fields; never let it end the thread
                     self._unencodable_event(box, item, err)
                     continue
-                if not self._send([topic("event", item.stream), payload]):
+                if not self._send(item.stream, [topic("event", item.stream), payload], self._lossless_event(box, now)):
                     return self._park(box, now)
                 with self._cond:
                     box.items.popleft()
                     box.events -= 1
                     box.pause = RETRY_MIN_S
+                    box.refused_since = None
                 self.stats.events += 1
                 self._listen(msg)
                 if item.on_sent:
                     item.on_sent()
             elif not self._serve_result(box, item, now):
                 return
+
+    @staticmethod
+    def _lossless_event(box: _Outbox, now: float) -> bool:
+        """An offline stream's event waits for a full subscriber; a live stream's does not; one of a stream
+        of unknown mode waits up to EVENT_WAIT_S."""
+        if box.is_live is not None:
+            return not box.is_live
+        if box.refused_since is None:
+            box.refused_since = now
+        return now - box.refused_since < EVENT_WAIT_S
 
     def _serve_result(self, box: _Outbox, item: _Result, now: float) -> bool:
         meta = item.meta
@@ -316,15 +343,12 @@ class Publisher:
             self._count_unencodable(meta.stream, f"{item.kind} result seq {meta.seq}", err)
             self._finish(box, item, lambda: item.acct.fail(meta.stream, FailReason.ENCODE_ERROR))
             return True  # this frame failed; the stream and every other go on
-        if self._send([topic(item.kind, meta.stream), payload]):
+        # live: a full subscriber misses it, the others get it; offline: refused until every subscriber has room
+        if self._send(meta.stream, [topic(item.kind, meta.stream), payload], lossless=not meta.live):
             self._finish(box, item, lambda: item.acct.publish(meta.stream, msg["latency_ms"]))
             self.stats.sent += 1
             self._on_publish_latency(time.monotonic() - item.t_done)
             self._listen(msg)
-            return True
-        if meta.live:  # a full subscriber: a live result is not worth waiting for
-            self.stats.hwm_drops += 1
-            self._finish(box, item, lambda: item.acct.drop(meta.stream, DropReason.PUBLISH_HWM))
             return True
         self._park(box, now)  # offline: keep it, retry later; other streams go on
         return False
@@ -402,8 +426,7 @@ class Publisher:
             log.exception("publisher thread crashed")
         finally:
             self._discard_all()
-            self._sock.disable_monitor()
-            self._monitor.close(0)
+            self._delivery.close()
             self._sock.close()
 
     def health(self) -> Optional[str]:

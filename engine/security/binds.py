@@ -14,15 +14,23 @@ with `model_copy`, such as a cluster's engines, skip pydantic's checks).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
-import zlib
-from collections import Counter
+import string
 from typing import Optional
 
-#: a token must carry at least this many bits by `token_bits`' estimate
-MIN_TOKEN_BITS = 96
-_ZLIB_EMPTY = len(zlib.compress(b"", 9))
+#: a token must carry at least this many bits by `token_bits`' estimate. Not 96: a random 96-bit token
+#: (`secrets.token_urlsafe(12)`) holds word fragments often enough to score 68 to 96 bits, as it must
+#: under any estimate of patterns, while tokens made of words (`vidar-view-token-0001`,
+#: `Summer2024!Winter2025!`) score up to 62. 2**64 guesses are out of reach of a guesser over HTTP.
+MIN_TOKEN_BITS = 64
+#: characters of a token that are scored (zxcvbn's matchers are quadratic in the length)
+_SCORED_CHARS = 64
+#: words a vidar token would be made of, tried first as zxcvbn's `user_inputs`
+_VIDAR_WORDS = ("vidar", "view", "token", "secret", "metrics", "api", "admin", "password", "pass", "key",
+                "auth", "bearer", "login", "prod", "production", "dev", "staging", "test", "stream",
+                "camera", "cam", "engine", "video", "analytics", "grafana", "prometheus")
 #: ZeroMQ sockets we bind (the publisher, the control sockets): a TCP peer that has not completed ZeroMQ's
 #: handshake by then is closed (libzmq's default is 30 s). ZeroMQ has no connection cap, so the time each
 #: such connection holds a descriptor is the bound there is (`vidar run` also raises the soft descriptor
@@ -58,70 +66,119 @@ def zmq_bind_host(endpoint: str) -> Optional[str]:
 
 
 def token_bits(token: str) -> float:
-    """A rough strength estimate, the smaller of two:
-    - length x min(log2 of the alphabet its character classes span, log2(distinct characters) + 1), where a
-      character that continues a run past its second (`abcd`, `4321`: each code one above or below the
-      one before) counts a tenth: refuses short, single-class, repetitive and sequential tokens (16 spaces: 16 bits; `abab...`:
-      2 bits a character; `0123456789` x 3: ~20 bits);
-    - 8 x the bytes zlib needs for it beyond an empty input: refuses what repeats (`Password1!` x 2 is
-      caught by neither rule alone, and passes: ~96 bits is a rough bar, not a guarantee).
-    Random tokens of 16 bytes or more pass (`secrets.token_urlsafe(16)`, `token_hex(16)`, `auto`).
-    Hand-written: zxcvbn, the known library, counts 10 guesses per character of a random token and would
-    refuse a 128-bit `token_urlsafe(16)`; nothing here needs its dictionaries."""
+    """Bits a guesser who knows the usual patterns needs for this token: zxcvbn's estimate, with what it
+    cannot explain counted at the token's own alphabet.
+
+    zxcvbn (Dropbox's estimator) finds the patterns: dictionary words (English, names, common
+    passwords, and vidar's own words: `_VIDAR_WORDS`), l33t, reversed words, keyboard runs, repeats,
+    sequences, years and dates, each with its number of guesses. Its own total prices a character it
+    cannot explain at 10 guesses (it is made for passwords people type), so any random 16-character
+    token scores 53 bits, below `correct-horse` forms. Here the cheapest cover of the token by its
+    matches is computed again with an unexplained character at log2 of the token's alphabet (the
+    character classes it uses: hex digits 16; lower 26, upper 26, digits 10, `-_` 2 (base64url, what
+    `secrets.token_urlsafe` draws from), other ASCII punctuation and space 33, anything else 100), plus
+    zxcvbn's log2(n!) for the order of n parts. Scored on the first `_SCORED_CHARS` characters (the
+    matchers are quadratic; a longer token is at least as strong as its start).
+    """
     if not token:
         return 0.0
-    alphabet = 0
-    if any(c.islower() for c in token):
-        alphabet += 26
-    if any(c.isupper() for c in token):
-        alphabet += 26
-    if any(c.isdigit() for c in token):
-        alphabet += 10
-    if any(not c.isalnum() for c in token):
-        alphabet += 33  # ASCII punctuation and space
-    if any(ord(c) > 127 for c in token):
-        alphabet += 100
-    distinct = len(Counter(token))
-    per_char = min(math.log2(alphabet), math.log2(distinct) + 1.0)
-    steps = [ord(b) - ord(a) for a, b in zip(token, token[1:])]
-    runs = sum(1 for x, y in zip(steps, steps[1:]) if x == y and abs(x) == 1)  # 3rd+ of `abc`, `321`
-    by_classes = (len(token) - 0.9 * runs) * per_char
-    by_zlib = 8.0 * max(0, len(zlib.compress(token.encode("utf-8", "surrogatepass"), 9)) - _ZLIB_EMPTY)
-    return min(by_classes, by_zlib)
+    from zxcvbn import matching, scoring
+    text = token[:_SCORED_CHARS]
+    per_char = math.log2(_alphabet(text))
+    ends: dict[int, list[tuple[int, float]]] = {}
+    for m in matching.omnimatch(text, _dictionaries()):
+        ends.setdefault(m["j"] + 1, []).append((m["i"], math.log2(scoring.estimate_guesses(m, text))))
+    # best[k][n]: the fewest bits (log2 of the product of guesses) covering text[:k] with n parts, a part
+    # being a zxcvbn match or a run of unexplained characters (zxcvbn's own dynamic programme, repriced)
+    best: list[dict[int, float]] = [{0: 0.0}] + [{} for _ in text]
+    for k in range(1, len(text) + 1):
+        parts = ends.get(k, []) + [(i, (k - i) * per_char) for i in range(k)]
+        for i, bits in parts:
+            for n, before in best[i].items():
+                if before + bits < best[k].get(n + 1, math.inf):
+                    best[k][n + 1] = before + bits
+    return min(b + math.lgamma(n + 1) / math.log(2) for n, b in best[-1].items())
+
+
+def _alphabet(text: str) -> int:
+    chars = set(text)
+    if chars <= set(string.digits):
+        return 10
+    if chars <= set(string.hexdigits.lower()) or chars <= set(string.hexdigits.upper()):
+        return 16  # `secrets.token_hex`
+    size = 26 * any(c.islower() for c in chars) + 26 * any(c.isupper() for c in chars) \
+        + 10 * any(c.isdigit() for c in chars) + 100 * any(not c.isascii() for c in chars)
+    punctuation = {c for c in chars if c.isascii() and not c.isalnum()}
+    return size + (2 if punctuation <= {"-", "_"} and punctuation else 33 if punctuation else 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _dictionaries() -> dict:
+    """zxcvbn's ranked dictionaries plus vidar's words (its `user_inputs`), built once; passed to its
+    matchers rather than set in its module (`zxcvbn()` itself writes a global on every call)."""
+    from zxcvbn import matching
+    return {**matching.RANKED_DICTIONARIES, "user_inputs": matching.build_ranked_dict(_VIDAR_WORDS)}
 
 
 def token_problem(token: str) -> Optional[str]:
-    """Why a token is refused, or None (the config's error names the key)."""
+    """Why a token is refused, or None (the config's error names the key). Never contains the token."""
     bits = token_bits(token)
     if bits < MIN_TOKEN_BITS:
-        return (f"the token is too weak (about {bits:.0f} bits by vidar's estimate, at least "
-                f"{MIN_TOKEN_BITS} needed): use `auto`, or a random one such as the output of "
+        return (f"the token is too weak (about {bits:.0f} bits by zxcvbn's patterns, at least "
+                f"{MIN_TOKEN_BITS} needed: words, names, keyboard runs, sequences, dates and repeats "
+                "are what a guesser tries first): use `auto`, or a random one such as the output of "
                 "`python3 -c 'import secrets; print(secrets.token_urlsafe(24))'`")
     return None
+
+
+def _binds(cfg) -> list[tuple[str, str, bool]]:
+    """(key, address, guarded) of every enabled listening socket of an EngineConfig; a ZeroMQ address is
+    its endpoint, the view's and the metrics' their host."""
+    curve = cfg.security.curve
+    out = [("publish.endpoint", cfg.publish.endpoint, curve)]
+    if cfg.control.enabled:
+        out.append(("control.endpoint", cfg.control.endpoint, curve))
+    if cfg.view.enabled:
+        out.append(("view.host", cfg.view.host, bool(cfg.view.token)))
+    if cfg.metrics.enabled:
+        out.append(("metrics.host", cfg.metrics.host, bool(cfg.metrics.token)))
+    if cfg.cluster is not None:  # the head's sockets: no CURVE with a cluster yet
+        out.append(("cluster.publish.endpoint", cfg.cluster.publish.endpoint, False))
+        out.append(("cluster.control.endpoint", cfg.cluster.control.endpoint, False))
+    return out
+
+
+def _host(key: str, address: str) -> Optional[str]:
+    return zmq_bind_host(address) if key.endswith(".endpoint") else address
 
 
 def exposed_sockets(cfg) -> list[tuple[str, str]]:
     """(key, address) of every enabled listening socket of an EngineConfig that is reachable from the
     network without its guard. Empty: every socket is loopback-only or guarded."""
     out = []
-    curve = cfg.security.curve
-
-    def zmq(key: str, endpoint: str, guarded: bool) -> None:
-        host = zmq_bind_host(endpoint)
+    for key, address, guarded in _binds(cfg):
+        host = _host(key, address)
         if host is not None and not is_loopback_host(host) and not guarded:
-            out.append((key, endpoint))
-
-    zmq("publish.endpoint", cfg.publish.endpoint, curve)
-    if cfg.control.enabled:
-        zmq("control.endpoint", cfg.control.endpoint, curve)
-    if cfg.view.enabled and not cfg.view.token and not is_loopback_host(cfg.view.host):
-        out.append(("view.host", cfg.view.host))
-    if cfg.metrics.enabled and not cfg.metrics.token and not is_loopback_host(cfg.metrics.host):
-        out.append(("metrics.host", cfg.metrics.host))
-    if cfg.cluster is not None:  # the head's sockets: no CURVE with a cluster yet
-        zmq("cluster.publish.endpoint", cfg.cluster.publish.endpoint, False)
-        zmq("cluster.control.endpoint", cfg.cluster.control.endpoint, False)
+            out.append((key, address))
     return out
+
+
+def zmq_ipv6(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint binds an IPv6 address (`tcp://[::1]:5556`): libzmq binds those only with
+    ZMQ_IPV6 set, and said "Invalid argument" otherwise (issue 31 item 9). Wildcards and names stay IPv4."""
+    host = zmq_bind_host(endpoint)
+    return bool(host) and ":" in host.strip("[]")
+
+
+def unsupported_bind(cfg) -> Optional[str]:
+    """A bind address vidar cannot honour, refused when the config is read instead of failing to bind:
+    an IPv6 zone id (`::1%lo`, `fe80::1%eth0`) passed the loopback rule and then failed to bind."""
+    for key, address, _ in _binds(cfg):
+        host = _host(key, address) or ""
+        if "%" in host:
+            return (f"{key}={address!r}: IPv6 zone ids ('%...') are not supported; bind a global or loopback "
+                    "address (::1, 127.0.0.1) instead")
+    return None
 
 
 def listening_stream(url: str) -> Optional[str]:
@@ -160,7 +217,10 @@ _GUARD = {"publish.endpoint": "security.curve", "control.endpoint": "security.cu
 
 
 def exposure_error(cfg) -> Optional[str]:
-    """The config error for unguarded network binds (None when there are none or they are allowed)."""
+    """The config error for unguarded network binds (None when there are none or they are allowed), or for a
+    bind address vidar cannot honour."""
+    if (why := unsupported_bind(cfg)) is not None:
+        return why
     exposed = exposed_sockets(cfg)
     if not exposed or cfg.security.allow_insecure_bind:
         return None

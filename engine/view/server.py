@@ -46,7 +46,7 @@ from typing import Optional
 from urllib.parse import quote, urlsplit
 
 import numpy as np
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from streams import redact_url
 
@@ -80,6 +80,7 @@ class ViewServer:
         self._gate: Optional[_Gate] = None
         self._internal_errors = 0
         self._internal_seen: set[str] = set()  # (error type, route) logged with its traceback once
+        self.ws_refused = 0  # websocket messages refused (bad JSON, too deep, not UTF-8): the page closed, 1007
         self._reported = (0.0, (0, 0, 0, 0))  # (when, counts) of the last aggregate log line
         self._http_log = _HttpLog()
 
@@ -194,11 +195,15 @@ class ViewServer:
         traceback the first time per (error type, route), counted in the aggregate line after that."""
         self._internal_errors += 1
         resource = request.match_info.route.resource
-        key = f"{type(err).__name__} in {request.method} {resource.canonical if resource else '?'}"
+        self._log_once(f"{type(err).__name__} in {request.method} {resource.canonical if resource else '?'}", err)
+        return _deny(request, 500, "internal error (the engine's log has the details)")
+
+    def _log_once(self, key: str, err: Exception) -> None:
+        """Log a bug with its traceback the first time it is met (per error type and route); later ones
+        are counted (internal_errors), not logged."""
         if key not in self._internal_seen and len(self._internal_seen) < 100:
             self._internal_seen.add(key)
             log.error("view: internal error: %s (logged once; later ones are counted)", key, exc_info=err)
-        return _deny(request, 500, "internal error (the engine's log has the details)")
 
     async def _login(self, request: web.Request) -> web.Response:
         if not self.cfg.token:
@@ -216,6 +221,9 @@ class ViewServer:
 
     # -- websocket -------------------------------------------------------------------------------
     async def _ws(self, request: web.Request) -> web.WebSocketResponse:
+        """Once upgraded, nothing but websocket frames may go on this connection: whatever goes wrong
+        closes it with a close code (1007 for a message it cannot take, 1011 for a bug), never an HTTP
+        reply (the middleware's 500 would be written into the websocket's byte stream)."""
         ws = web.WebSocketResponse(heartbeat=20, max_msg_size=64 * 1024)
         await ws.prepare(request)
         client = _Client(ws)
@@ -224,9 +232,24 @@ class ViewServer:
         try:
             await ws.send_str(json.dumps(self._state))
             async for msg in ws:
-                want = parse_watch(msg.data, self.hub.side) if msg.type == WSMsgType.TEXT else None
+                try:
+                    want = parse_watch(msg.data, self.hub.side) if msg.type == WSMsgType.TEXT else None
+                except BadMessage as err:
+                    self.ws_refused += 1
+                    if "ws_refused" not in self._internal_seen:  # one line: a client cannot flood the log
+                        self._internal_seen.add("ws_refused")
+                        log.warning("view: a websocket message was refused and its socket closed with 1007: %s "
+                                    "(logged once; later ones are counted: ws_refused)", err)
+                    await ws.close(code=WSCloseCode.INVALID_TEXT, message=str(err)[:120].encode("ascii", "replace"))
+                    break
                 if want is not None:
                     self._rewatch(client, want)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as err:
+            self._internal_errors += 1
+            self._log_once(f"{type(err).__name__} in the websocket", err)
+            await ws.close(code=WSCloseCode.INTERNAL_ERROR, message=b"internal error (the engine's log has the details)")
         finally:
             self._clients.discard(client)
             for s, size in client.watching.items():
@@ -370,13 +393,28 @@ class ViewServer:
                 "p50_ms": p50, "p99_ms": p99, "history": list(hist)}
 
 
+class BadMessage(ValueError):
+    """A websocket message the view will not read: the page's websocket is closed with 1007."""
+
+
 def parse_watch(text: str, side) -> Optional[dict[str, int]]:
     """A page's watch message -> {stream: longer side}, sizes through `side` (the hub's clamp; None
-    for view.max_side). None: not a watch message (ignored). Entries of another shape are left out."""
+    for view.max_side). None: not a watch message (ignored). Entries of another shape are left out.
+    BadMessage: JSON nested deeper than the API allows (json.loads recurses: RecursionError), or
+    text that is not UTF-8 (see request_fields.text_error)."""
+    from engine.util.request_fields import text_error
+    from engine.view.api import MAX_DEPTH, json_depth
+    raw = text.encode("utf-8", "surrogatepass")
+    if json_depth(raw, MAX_DEPTH) > MAX_DEPTH:
+        raise BadMessage(f"the message nests deeper than {MAX_DEPTH} levels")
     try:
-        want = json.loads(text).get("watch", [])
-    except (ValueError, AttributeError):
+        data = json.loads(text)
+    except ValueError:
         return None
+    bad_text = text_error(data)
+    if bad_text is not None:
+        raise BadMessage(bad_text)
+    want = data.get("watch", []) if isinstance(data, dict) else None
     if isinstance(want, list):
         return {s: side(None) for s in want if isinstance(s, str)}
     if isinstance(want, dict):  # JSON keys are strings; bool is an int to Python, not a size

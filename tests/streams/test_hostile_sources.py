@@ -39,18 +39,19 @@ pytestmark = pytest.mark.timeout(120)
     ("rtsp://admin:p%40ss@host:554/x", "rtsp://***@host:554/x"),          # `@` percent-encoded
     ("rtsp://admin:pw@[fe80::1]:554/x", "rtsp://***@[fe80::1]:554/x"),    # IPv6 host
     ("rtsp://admin:pw@host", "rtsp://***@host"),                          # no path
-    ("rtsp://admin:pw@host?x=1", "rtsp://***@host?x=1"),
+    ("rtsp://admin:pw@host?x=1", "rtsp://***@host?x=***"),                # `x` is not a shown key
     ("RTSP://admin:pw@host/x", "RTSP://***@host/x"),
     # credentials in the query: the value hidden, the key kept, case-insensitive
     ("http://host/live.ts?user=admin&password=s3cret&ch=1", "http://host/live.ts?user=***&password=***&ch=1"),
-    ("http://host/x?PWD=a&Passwd=b&pass=c#frag", "http://host/x?PWD=***&Passwd=***&pass=***#frag"),
+    ("http://host/x?PWD=a&Passwd=b&pass=c#frag", "http://host/x?PWD=***&Passwd=***&pass=***#***"),
     ("https://h/x?token=t&access_token=u&api_key=k&key=v&secret=w&auth=z&signature=q&username=n",
      "https://h/x?token=***&access_token=***&api_key=***&key=***&secret=***&auth=***&signature=***&username=***"),
     ("rtsp://u:p@h/x?token=t", "rtsp://***@h/x?token=***"),
-    # a password with `/`, `?` or `#` (urlsplit and FFmpeg end the authority there and fail, the text keeps it)
-    ("rtsp://admin:Pa#ss1@cam/x", "rtsp://***@cam/x"),
+    # a password with `/`, `?` or `#` (urlsplit and FFmpeg end the authority there and fail, the text keeps it);
+    # after a `?` or `#` the `@` may be in a query value (`?pw=a@b`), so what follows it is not shown either
+    ("rtsp://admin:Pa#ss1@cam/x", "rtsp://***@***/x"),
     ("rtsp://admin:pa/ss@host/x", "rtsp://***@host/x"),
-    ("rtsp://admin:pa?ss@host/x", "rtsp://***@host/x"),
+    ("rtsp://admin:pa?ss@host/x", "rtsp://***@***/x"),
     # keys that contain a credential word, %-encoded keys, a value with a space (a configured URL is one token)
     ("srt://h:9000?passphrase=abc&latency=20", "srt://h:9000?passphrase=***&latency=20"),
     ("http://h/x?api-key=1&auth_token=2&X_Token=3&credentials=4&pass%77ord=5&ch=6",
@@ -60,7 +61,7 @@ pytestmark = pytest.mark.timeout(120)
     ("rtsp://cam.local:554/s1?channel=1&subtype=0", "rtsp://cam.local:554/s1?channel=1&subtype=0"),
     ("rtsp://[::1]:8554/x", "rtsp://[::1]:8554/x"),
     ("udp://@239.0.0.1:5000", "udp://@239.0.0.1:5000"),                  # multicast: an empty userinfo
-    ("rtsp://cam/a@b", "rtsp://cam/a@b"),                                # `@` in the path, not userinfo
+    ("rtsp://cam/a@b", "rtsp://***@b"),   # `@` in the path, or a password with `/`: errs on hiding
     ("/videos/a@b.mp4", "/videos/a@b.mp4"),
     ("videos/a:b@c.mp4", "videos/a:b@c.mp4"),
     ("synthetic://shapes?size=64x48&seed=1", "synthetic://shapes?size=64x48&seed=1"),
@@ -84,6 +85,15 @@ def test_redact_url_table(url, shown):
      "'http://h/live.ts?user=***&password=***' -> 401"),
     ("KeyError: 'no such stream: rtsp://u:hunter2@cam/x'\nline two user@example", ["hunter2"],
      "rtsp://***@cam/x'\nline two user@example"),
+    # issue 31: a password with a space and `/`, with `//`, XMEye's path, keys no deny-list had
+    ("Invalid argument: 'rtsp://admin:my pass/S3cret@127.0.0.1:9/x' returned 22", ["S3cret", "my pass"],
+     "Invalid argument: 'rtsp://***@127.0.0.1:9/x' returned 22"),
+    ("[tcp @ 0x55d5c8] Connection to rtsp://admin:ab//S3cret@h:554/x failed: refused", ["S3cret", "ab//"],
+     "[tcp @ 0x55d5c8] Connection to rtsp://***@h:554/x failed: refused"),
+    ("Connection refused: 'rtsp://h/user=admin_password=S3cret_channel=1_stream=0.sdp?real_stream'", ["S3cret"],
+     "'rtsp://h/user=***_password=***_channel=1_stream=0.sdp?***'"),
+    ("401: 'http://h/x?pw=S3cret&u=S3cret&jwt=S3cret&pin=S3cret&channel=2'", ["S3cret"],
+     "'http://h/x?pw=***&u=***&jwt=***&pin=***&channel=2'"),
 ])
 def test_redact_url_in_free_text(text, secrets, kept):
     shown = redact_url(text)

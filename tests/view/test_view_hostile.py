@@ -4,6 +4,7 @@ the engine's insides; slow or half-open connections are closed at view.request_t
 at most view.max_connections, and neither the view nor the control socket stops answering, even under a
 low file descriptor limit. Requests go out as raw bytes: http.client refuses to send most of them."""
 
+import asyncio
 import gzip
 import json
 import logging
@@ -173,6 +174,81 @@ def test_a_bug_is_a_500_without_details_logged_once(views, caplog, monkeypatch):
         assert b"secret" not in body and b"RuntimeError" not in body and b"Traceback" not in body
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].name == "vidar.view" and errors[0].exc_info, \
+        [(r.name, r.getMessage()) for r in errors]
+    assert view.server.connection_counts()["internal_errors"] - before == 3
+
+
+async def _ws_until_closed(port: int, message: str, timeout: float = 15.0):
+    """Open the view's websocket, send one message, read until the server closes: (close code, reason)."""
+    import aiohttp
+    async with aiohttp.ClientSession() as s, s.ws_connect(f"http://127.0.0.1:{port}/ws") as ws:
+        await ws.send_str(message)
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:  # state messages (text) come every second until then
+            try:
+                m = await ws.receive(timeout=end - time.monotonic())
+            except asyncio.TimeoutError:
+                break
+            if m.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.ERROR):
+                return ws.close_code, m.extra
+        return None, "still open"
+
+
+async def _ws_gets_a_frame(ws, stream: str, timeout: float = 15.0) -> bool:
+    import aiohttp
+    await ws.send_str(json.dumps({"watch": [stream]}))
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        m = await ws.receive(timeout=end - time.monotonic())
+        if m.type == aiohttp.WSMsgType.BINARY:
+            return True
+        if m.type != aiohttp.WSMsgType.TEXT:
+            return False
+    return False
+
+
+# issue 31 item 7: 40 KB (under the 64 KB cap) of nesting raised RecursionError and wrote an HTTP 500 onto the
+# upgraded socket; a lone surrogate (item 5) is text the view does not take either
+WS_BAD = [("nested-20k", "[" * 20_000 + "]" * 20_000, "nests deeper than 64 levels"),
+          ("nested-objects", '{"watch":' * 5_000 + "1" + "}" * 5_000, "nests deeper than 64 levels"),
+          ("lone-surrogate", '{"watch": ["\\ud800"]}', "watch.0: not valid UTF-8")]
+
+
+@pytest.mark.parametrize("message, reason", [c[1:] for c in WS_BAD], ids=[c[0] for c in WS_BAD])
+def test_a_websocket_message_it_cannot_take_closes_that_socket_with_1007(views, caplog, message, reason):
+    """Closed with 1007 (invalid data) and the reason, counted, logged once at most; a page connected
+    meanwhile keeps getting frames."""
+    import aiohttp
+    eng, view = views["open"]
+    caplog.set_level(logging.WARNING)
+    before = view.server.ws_refused
+
+    async def run():
+        async with aiohttp.ClientSession() as s, s.ws_connect(view.server.url + "ws") as other:
+            code, why = await _ws_until_closed(view.server.port, message)
+            return code, why, await _ws_gets_a_frame(other, "cam1")
+    code, why, other_served = asyncio.run(run())
+    assert (code, other_served) == (1007, True), (code, why)
+    assert reason in why, why
+    assert view.server.ws_refused - before == 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert len([r for r in caplog.records if "websocket message was refused" in r.getMessage()]) <= 1
+
+
+def test_a_bug_after_the_websocket_upgrade_closes_it_with_1011_logged_once(views, caplog, monkeypatch):
+    """Never an HTTP reply on an upgraded socket: the middleware's 500 was written into the websocket."""
+    eng, view = views["open"]
+
+    def broken(client, want):
+        raise RuntimeError("secret-internal-detail")
+    monkeypatch.setattr(view.server, "_rewatch", broken)
+    caplog.set_level(logging.INFO)
+    before = view.server.connection_counts()["internal_errors"]
+    for _ in range(3):
+        code, why = asyncio.run(_ws_until_closed(view.server.port, json.dumps({"watch": ["cam1"]})))
+        assert code == 1011 and "internal error" in why and "secret" not in why, (code, why)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info and "in the websocket" in errors[0].getMessage(), \
         [(r.name, r.getMessage()) for r in errors]
     assert view.server.connection_counts()["internal_errors"] - before == 3
 
