@@ -33,8 +33,10 @@ def _parse(stream_id: str, url: str) -> dict:
         raise SourceOpenError(stream_id, f"unknown synthetic pattern {pattern!r} in {shown!r}; allowed: {_PATTERNS}")
     q = {k: v[-1] for k, v in parse_qs(u.query, keep_blank_values=True).items()}
     unknown = set(q) - {"size", "fps", "frames", "seed"}
-    if unknown:
-        raise SourceOpenError(stream_id, f"unknown synthetic parameters {sorted(unknown)}; allowed: size, fps, frames, seed")
+    if unknown:  # a part without `=` may be a secret pasted by mistake: named as the URL display rule shows it
+        named = sorted(k for k in unknown if f"{k}=" in u.query)
+        bare = f" and {len(unknown) - len(named)} value(s) without a name" if len(named) < len(unknown) else ""
+        raise SourceOpenError(stream_id, f"unknown synthetic parameters {named}{bare}; allowed: size, fps, frames, seed")
 
     def bad(name: str, allowed: str) -> SourceOpenError:
         return SourceOpenError(stream_id, f"synthetic parameter {name}={q[name]!r}: {allowed}")
