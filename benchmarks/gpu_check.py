@@ -6,7 +6,11 @@
     python3 benchmarks/gpu_check.py --dry-run  # on the CPU (make test runs it): every part, CPU-sized
 
 Each part runs in its own subprocess with a time box and appends JSON lines as it goes, so a hang or a
-crash loses only that part; the whole run stays under ~8 minutes. Parts:
+crash loses only that part; the whole run stays under ~9 minutes. Parts:
+  probe       first: the open questions of issue 32, each answered in under 10 s (benchmarks/gpu_probe.py):
+              GetDecoderCaps per codec, parameter sets out of band, an oversized H.264 stream, CPU seconds of
+              a blocking vs non-blocking event wait, the syncs set_sync_debug_mode reports around classify and
+              SAM 2 on NV12, CreateDecoder with torch's pooled stream and the timestamps it echoes
   tests       the `gpu`-marked tests with VIDAR_REQUIRE_GPU=1 (none may pass by skipping)
   vit         ViT-L/16 bf16, batch 1/8/32/64: eager vs the CUDA-graph runner (GraphDispatcher)
   nvdec       NVDEC frames/s into GPU memory for 1, 8 and 48 decoder threads (720p60 H.264)
@@ -251,18 +255,23 @@ def part_offline() -> None:
     emit("offline", **r, bare_graph_img_per_s=round(bare, 1), ratio=round(r["frames_per_s"] / bare, 3))
 
 
+def part_probe() -> None:  # in a module of its own: seven questions, ~300 lines
+    from benchmarks.gpu_probe import part_probe as run
+    run(emit, dry=DRY)
+
+
 def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engine runs are ~150 lines
     from benchmarks.gpu_sam2 import part_sam2 as run
     run(emit, clip=clip(), dry=DRY)
 
 
-# seconds per part: the data plane's 470 in all, under the 8 minutes a device call may take after the wheels
-# install; SAM 2 (issue 24) in a call of its own (`--only sam2`, under the 10 minutes a call may take: its
-# records are written as they come, so a part cut off at its box keeps what it measured)
-PARTS = {"tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
+# seconds per part: the data plane's 470 and the probe's 85 (seven questions of at most 10 s, and its imports) in
+# all, under the 10 minutes a device call may take with the wheels' install; SAM 2 (issue 24) in a call of its
+# own (`--only sam2`: its records are written as they come, so a part cut off at its box keeps what it measured)
+PARTS = {"probe": (part_probe, 85), "tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
          "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
          "sam2": (part_sam2, 540)}
-DEFAULT_PARTS = ["tests", "vit", "nvdec", "preprocess", "live", "offline"]
+DEFAULT_PARTS = ["probe", "tests", "vit", "nvdec", "preprocess", "live", "offline"]
 
 
 def main() -> int:

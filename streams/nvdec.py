@@ -5,8 +5,11 @@ stay those of streams/pyav.py; only what happens to a packet after it arrived di
 own demuxer opens rtsp:// with no options and no timeouts, which is why it is not used.
 
 What the decoder is fed and how it is driven (facts from PyNvVideoCodec 2.2.4, ../shared/gpu/README.md):
-  * Annex-B bitstreams: H.264/HEVC from MP4/MKV (length-prefixed, avcC/hvcC extradata) go through FFmpeg's
-    `*_mp4toannexb` filter; MPEG-TS, RTSP and raw .h264 are Annex-B already and are not filtered.
+  * Annex-B bitstreams with their parameter sets before the first slice of every decoder: H.264/HEVC from
+    MP4/MKV (length-prefixed, avcC/hvcC extradata) go through FFmpeg's `*_mp4toannexb` filter (which also
+    puts SPS/PPS before each IDR); RTSP and raw .h264 are Annex-B already, but a camera may send its
+    parameter sets only in the SDP (FFmpeg puts them in the extradata, not in the packets), so those go
+    through FFmpeg's `dump_extra`, which puts the extradata before every keyframe (packet_filter).
   * LOW latency and one picture per packet (ENDOFPICTURE): a frame comes out of the Decode call of its own
     packet. The default (NATIVE) holds 4 frames back: 133 ms at 30 fps that no deadline would see.
   * One CUDA stream per decoder (its own torch.cuda.Stream): with stream 0 the package synchronises the
@@ -15,28 +18,34 @@ What the decoder is fed and how it is driven (facts from PyNvVideoCodec 2.2.4, .
     out, on the decoder's stream, into a tensor the DecodedFrame owns before Decode is called again; a
     CUDA event recorded after the copy (DecodedFrame.ready) lets a reader on another stream wait for it.
   * A decoder that raised is never used again: it is discarded (counted in `decode_errors`) and a new
-    one is built at the next keyframe, from which decoding resumes.
+    one is built at the next keyframe, from which decoding resumes. A failure before the stream's first
+    NVDEC frame is NVDEC refusing the stream (its capability check runs in the first Decode): `auto` goes
+    on on the CPU from that packet, with the reason; `cuda` fails the stream with it.
   * The package is imported lazily: on a machine without the NVIDIA driver `import PyNvVideoCodec`
     raises RuntimeError ("Failed to load NVENC library"), not ImportError; that reads as "unavailable".
 
-`decode: auto | cpu | cuda` is resolved when a stream opens (the codec is known only then), before its
-first packet: resolve_decode says where and why; the source shows it as `decode_device` / `decode_reason`.
+`decode: auto | cpu | cuda` is resolved when a stream opens (the codec and size are known only then), before
+its first packet, against this GPU's NVDEC capabilities (streams/nvdec_caps.py): resolve_decode says where and
+why; the source shows it as `decode_device` / `decode_reason`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 from contextlib import AbstractContextManager
 from types import ModuleType
-from typing import Any, Callable, Iterator, Literal, Optional, Protocol
+from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Protocol, Union
 
 import av
 
 from engine.errors import SourceOpenError
 from streams.base import DecodedFrame
 from streams.colour import UnsupportedColourError, colour_from_av
+from engine.errors import SourceError
+from streams.nvdec_caps import NVDEC_CODECS, caps_refusal, decoder_caps, odd_size
 from streams.pyav import FileSource, NetworkSource, _Arrivals, _now, frame_pts
 
 log = logging.getLogger("vidar.source")
@@ -44,25 +53,28 @@ log = logging.getLogger("vidar.source")
 Decode = Literal["auto", "cpu", "cuda"]
 DECODE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 
-#: PyAV codec name -> PyNvVideoCodec's cudaVideoCodec member: the codecs NVDEC decodes (cuviddec.h) whose
-#: packets PyAV hands out in a form NVDEC parses (after Annex-B conversion for H.264/HEVC). MPEG-4 part 2
-#: and VC-1 are left out: NVDEC wants their headers (container extradata) prepended, which is not done here.
-NVDEC_CODECS: dict[str, str] = {
-    "h264": "H264", "hevc": "HEVC", "av1": "AV1", "vp9": "VP9", "vp8": "VP8",
-    "mpeg1video": "MPEG1", "mpeg2video": "MPEG2",
-}
 #: what the NV12 contract of DecodedFrame.nv12 covers: 8-bit 4:2:0 (NVDEC gives P016 for 10-bit, and
 #: planar 4:4:4 for 4:4:4 streams)
 NV12_PIX_FMTS = frozenset({"yuv420p", "yuvj420p", "nv12"})
 _ANNEXB_FILTERS = {"h264": "h264_mp4toannexb", "hevc": "hevc_mp4toannexb"}
+_ANNEXB_START = (b"\x00\x00\x01", b"\x00\x00\x00\x01")
+#: the fixes a refusal names: the machine cannot decode with NVDEC at all, or this stream cannot be
+_MACHINE_FIX = ("install the gpu extra (pip install 'vidar[gpu]') on a machine with an NVIDIA GPU and driver, "
+                "or set decode: cpu (or auto) for this stream")
+_STREAM_FIX = "set decode: cpu (or auto) for this stream"
 #: packets (tickets) whose frame has not come out yet: bounded as _Arrivals is (a packet NVDEC drops is forgotten)
 _IN_FLIGHT = 64
 
 
 # -- what runs where: the pure decision ------------------------------------------------------------------
+#: GetDecoderCaps asked for (module, codec name): a Mapping, or a str saying why the query failed
+CapsQuery = Callable[[ModuleType, str], Union[Mapping, str]]
+
+
 def resolve_decode(requested: str, codec_name: Optional[str], *, cuda_available: bool,
                    nvdec_import: Callable[[], ModuleType], stream_id: str = "",
-                   pix_fmt: Optional[str] = None) -> tuple[str, str]:
+                   pix_fmt: Optional[str] = None, size: Optional[tuple[int, int]] = None,
+                   caps: Optional[CapsQuery] = None) -> tuple[str, str]:
     """Where a stream's video is decoded: ("cpu" | "cuda", why).
 
     Args:
@@ -74,6 +86,9 @@ def resolve_decode(requested: str, codec_name: Optional[str], *, cuda_available:
             (no NVIDIA driver) and OSError mean "unavailable here".
         stream_id: named in the error.
         pix_fmt: PyAV's pixel format when known; NVDEC frames are NV12, so only 8-bit 4:2:0 qualifies.
+        size: (width, height) when known: an odd one is decoded on the CPU, and the caps are checked against it.
+        caps: asks this GPU's NVDEC capabilities for a codec (streams/nvdec_caps.py decoder_caps), called
+            last, with the imported module; None: not asked.
 
     Raises:
         ValueError: `requested` is not one of auto, cpu, cuda.
@@ -87,42 +102,61 @@ def resolve_decode(requested: str, codec_name: Optional[str], *, cuda_available:
         raise ValueError(f"decode={requested!r}: allowed: {', '.join(DECODE_CHOICES)}")
     if requested == "cpu":
         return "cpu", "decode: cpu"
-    why = _why_not_nvdec(codec_name, pix_fmt, cuda_available, nvdec_import)
-    if why is None:
+    refused = _why_not_nvdec(codec_name, pix_fmt, size, cuda_available, nvdec_import, caps)
+    if refused is None:
         what = f"{codec_name} on NVDEC" if codec_name else "NVDEC"
         return "cuda", f"{requested}: {what}"
+    why, fix = refused
     if requested == "auto":
         return "cpu", f"auto: {why}"
-    raise SourceOpenError(stream_id, f"decode: cuda, but {why}; install the gpu extra (pip install "
-                                     "'vidar[gpu]') on a machine with an NVIDIA GPU and driver, or set "
-                                     "decode: cpu (or auto) for this stream")
+    raise SourceOpenError(stream_id, f"decode: cuda, but {why}; {fix}")
 
 
-def _why_not_nvdec(codec_name: Optional[str], pix_fmt: Optional[str], cuda_available: bool,
-                   nvdec_import: Callable[[], ModuleType]) -> Optional[str]:
-    """Why NVDEC cannot decode this stream here (None: it can). Cheapest checks first: the import last."""
+def _why_not_nvdec(codec_name: Optional[str], pix_fmt: Optional[str], size: Optional[tuple[int, int]],
+                   cuda_available: bool, nvdec_import: Callable[[], ModuleType],
+                   caps: Optional[CapsQuery]) -> Optional[tuple[str, str]]:
+    """(why, the fix) NVDEC cannot decode this stream here (None: it can). Cheapest checks first: the
+    import, then the GPU's capabilities (a CUDA context each, once per codec) last."""
     if codec_name is not None and codec_name not in NVDEC_CODECS:
-        return f"NVDEC does not decode {codec_name!r} here (it does: {', '.join(NVDEC_CODECS)})"
+        return f"NVDEC does not decode {codec_name!r} here (it does: {', '.join(NVDEC_CODECS)})", _STREAM_FIX
     if pix_fmt is not None and pix_fmt not in NV12_PIX_FMTS:
-        return f"pixel format {pix_fmt!r} is not 8-bit 4:2:0 (NVDEC frames here are NV12 only)"
+        return f"pixel format {pix_fmt!r} is not 8-bit 4:2:0 (NVDEC frames here are NV12 only)", _STREAM_FIX
+    odd = odd_size(size)
+    if odd:
+        return odd, _STREAM_FIX
     if not cuda_available:
-        return "no CUDA device (torch.cuda.is_available() is False)"
+        return "no CUDA device (torch.cuda.is_available() is False)", _MACHINE_FIX
     try:
-        nvdec_import()
+        module = nvdec_import()
     except (ImportError, RuntimeError, OSError) as err:
         first = (str(err).strip().splitlines() or [""])[0][:200]  # its import error runs to 30 lines of advice
-        return f"PyNvVideoCodec is unavailable ({type(err).__name__}: {first})"
-    return None
-
-
-def annexb_filter(codec_name: str, extradata: Optional[bytes]) -> Optional[str]:
-    """The bitstream filter a stream's packets need before NVDEC (None: none). H.264/HEVC in MP4/MKV are
-    length-prefixed, announced by avcC/hvcC extradata; Annex-B extradata (raw .h264, MPEG-TS, RTSP) or none
-    means the packets carry start codes already, and filtering them again would only cost a copy."""
-    name = _ANNEXB_FILTERS.get(codec_name)
-    if name is None or not extradata or extradata.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01")):
+        return f"PyNvVideoCodec is unavailable ({type(err).__name__}: {first})", _MACHINE_FIX
+    if caps is None or codec_name is None:
         return None
-    return name
+    known = caps(module, codec_name)
+    if isinstance(known, str):
+        return f"NVDEC's capabilities could not be read (GetDecoderCaps: {known})", _MACHINE_FIX
+    why = caps_refusal(known, codec_name, size)
+    return (why, _STREAM_FIX) if why else None
+
+
+def packet_filter(codec_name: str, extradata: Optional[bytes]) -> Optional[str]:
+    """The bitstream filter a stream's packets go through before NVDEC (None: none).
+
+    H.264/HEVC in MP4/MKV are length-prefixed, announced by avcC/hvcC extradata: `*_mp4toannexb`, which
+    also puts the parameter sets before each IDR. With Annex-B extradata (RTSP's sprop-parameter-sets, raw
+    .h264) the packets carry start codes, but the parameter sets may be in the extradata only (GStreamer's
+    rtph264pay with its default config-interval 0, `ffmpeg -c copy -f rtsp`): FFmpeg's `dump_extra` puts
+    the extradata before every keyframe packet that does not start with it, so every decoder, a session's
+    first and each one rebuilt (at a keyframe), has them before its first slice; NVDEC's parser drops
+    slices it has no parameter sets for, and such a stream would decode nothing. It copies keyframe packets
+    only (others pass by reference); parameter sets sent in-band as well arrive twice, which a parser reads
+    as the same sets again. No extradata, or other codecs: none.
+    """
+    name = _ANNEXB_FILTERS.get(codec_name)
+    if name is None or not extradata:
+        return None
+    return "dump_extra" if extradata.startswith(_ANNEXB_START) else name
 
 
 def tell_choice(stream_id: str, device: str, reason: str, *, cuda_available: bool) -> None:
@@ -191,7 +225,12 @@ cuda_ops: CudaOps = TorchCuda()
 
 class DecoderFailed(Exception):
     """A packet could not be decoded (internal: counted in decode_errors, as the CPU path counts corrupt
-    packets). When the decoder itself raised, it has been discarded."""
+    packets). When the decoder itself raised (`decoder_raised`), it has been discarded; else the packet's
+    bitstream filter refused it (corrupt data)."""
+
+    def __init__(self, message: str, *, decoder_raised: bool):
+        super().__init__(message)
+        self.decoder_raised = decoder_raised
 
 
 class SessionOver(Exception):
@@ -223,7 +262,7 @@ class _Tickets:
 
 
 class NvdecSession:
-    """One open stream's NVDEC decoder, the CUDA stream it runs on and its Annex-B filter.
+    """One open stream's NVDEC decoder, the CUDA stream it runs on and its bitstream filter (packet_filter).
 
     `decode(packet, ticket)` returns the frames that packet completed as (ticket, nv12, ready), each nv12
     copied out of the decoder's surface into its own tensor (the next Decode call overwrites the surfaces),
@@ -234,14 +273,16 @@ class NvdecSession:
         cc = stream.codec_context
         self._nvc, self._gpu = nvc, gpu
         self._codec = getattr(nvc.cudaVideoCodec, NVDEC_CODECS[cc.name])
-        self.filter_name = annexb_filter(cc.name, cc.extradata)
+        self.filter_name = packet_filter(cc.name, cc.extradata)
         self._filter = av.bitstream.BitStreamFilterContext(self.filter_name, stream) if self.filter_name else None
         self.cuda_stream = cuda_ops.new_stream(gpu)
         # pybind11's exceptions derive from Exception, not from each other: catch every one the package
         # names, and RuntimeError (a std::runtime_error out of the extension)
         named = (getattr(nvc, k) for k in dir(nvc) if k.startswith("PyNvVCException"))
         self._errors = tuple(v for v in named if isinstance(v, type) and issubclass(v, Exception)) + (RuntimeError,)
-        self._decoder: Any = self._create()  # at open: a codec or size this GPU refuses shows before any packet
+        # CreateDecoder only makes NVIDIA's parser: a codec or size this GPU refuses shows in the first Decode
+        # (resolve_decode checked the caps before this; _NvdecDecoding handles a first Decode that raises)
+        self._decoder: Any = self._create()
 
     def _create(self) -> Any:
         nvc = self._nvc
@@ -267,7 +308,7 @@ class NvdecSession:
         try:
             annexb = self._filter.filter(packet) if self._filter is not None else [packet]
         except av.error.FFmpegError as err:  # corrupt length prefixes: skipped, as the CPU path skips them
-            raise DecoderFailed(f"{self.filter_name}: {err}") from err
+            raise DecoderFailed(f"{self.filter_name}: {err}", decoder_raised=False) from err
         out = []
         for part in annexb:
             out += self._call(self._packet_data(part.buffer_ptr, part.size, ticket))
@@ -286,7 +327,7 @@ class NvdecSession:
             surfaces = self._decoder.Decode(pd)
         except self._errors as err:
             self._decoder = None  # never used again: its state after an error is undefined
-            raise DecoderFailed(f"{type(err).__name__}: {err}") from err
+            raise DecoderFailed(f"{type(err).__name__}: {err}", decoder_raised=True) from err
         # every frame copied out before the next Decode call reuses the surfaces
         return [(getattr(s, "timestamp", None), *self._copy_out(s)) for s in surfaces]
 
@@ -295,8 +336,11 @@ class NvdecSession:
         with cuda_ops.stream_context(self.cuda_stream):  # torch hands this stream to the producer's __dlpack__
             src = torch.from_dlpack(surface)
             if src.dtype != torch.uint8 or src.dim() != 2 or src.shape[0] % 3:
-                raise SessionOver(f"NVDEC gave {tuple(src.shape)} {src.dtype} frames, not NV12 "
-                                  "(10-bit or 4:4:4 video?): set decode: cpu for this stream")
+                # not NV12's (H * 3/2, W) uint8: 10-bit (P016) or 4:4:4 planes, or a size that turned odd
+                # mid-stream (an odd size at open is decoded on the CPU: nvdec_caps.odd_size)
+                raise SessionOver(f"NVDEC gave {tuple(src.shape)} {src.dtype} frames, not NV12 (H * 3/2, W) "
+                                  "uint8 (10-bit or 4:4:4 video, or an odd frame size?): set decode: cpu for "
+                                  "this stream")
             nv12 = torch.empty(src.shape, dtype=src.dtype, device=src.device)  # contiguous, the frame's own
             nv12.copy_(src)
             ready = cuda_ops.new_event()
@@ -305,8 +349,8 @@ class NvdecSession:
 
 
 class _NvdecDecoding:
-    """Mixed into FileSource / NetworkSource: at each open, `decode` is resolved against the stream's codec;
-    on "cuda" the packets go to an NvdecSession, else to PyAV exactly as before."""
+    """Mixed into FileSource / NetworkSource: at each open, `decode` is resolved against the stream's codec,
+    size and this GPU's NVDEC caps; on "cuda" the packets go to an NvdecSession, else to PyAV exactly as before."""
 
     def __init__(self, *args: Any, decode: Decode = "auto", gpu: int = 0, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -315,9 +359,10 @@ class _NvdecDecoding:
         self.decode, self.gpu = decode, gpu
         self.decode_device: Optional[str] = None
         self.decode_reason = f"{decode}: decided when the stream opens (its codec)"
-        self.filter_name: Optional[str] = None  # the Annex-B filter this session's packets go through
+        self.filter_name: Optional[str] = None  # the bitstream filter this session's packets go through
         self._session: Optional[NvdecSession] = None
         self._told: Optional[tuple[str, str]] = None  # the choice last logged: a reconnect does not repeat it
+        self.nvdec_frames = 0  # NVDEC frames handed out over the stream's life: once one is, its ring holds NV12
 
     def open(self) -> None:
         super().open()
@@ -334,7 +379,8 @@ class _NvdecDecoding:
         requested = self.decode if self._told is None else self._told[0]
         device, reason = resolve_decode(requested, cc.name, cuda_available=cuda,
                                         nvdec_import=load_pynvvideocodec, stream_id=self.stream_id,
-                                        pix_fmt=cc.pix_fmt)
+                                        pix_fmt=cc.pix_fmt, size=(cc.width or 0, cc.height or 0),
+                                        caps=lambda nvc, codec: decoder_caps(nvc, self.gpu, codec))
         if self._told is not None:
             reason = self._told[1]
         self._session = None
@@ -348,13 +394,15 @@ class _NvdecDecoding:
         if device == "cuda":
             try:
                 self._session = NvdecSession(load_pynvvideocodec(), self._stream, gpu=self.gpu)
-            except Exception as err:  # CreateDecoder refusing the stream (size, profile): pybind11's errors
+            except Exception as err:  # CreateDecoder refusing its arguments: pybind11's errors
                 why = f"NVDEC refused the stream ({type(err).__name__}: {str(err)[:200]})"
                 if requested == "cuda":
-                    raise SourceOpenError(self.stream_id, f"decode: cuda, but {why}; set decode: cpu "
-                                                          "(or auto) for this stream") from None
+                    raise SourceOpenError(self.stream_id, f"decode: cuda, but {why}; {_STREAM_FIX}") from None
                 device, reason = "cpu", f"auto: {why}"
         self.filter_name = self._session.filter_name if self._session else None
+        self._chosen(device, reason, cuda)
+
+    def _chosen(self, device: str, reason: str, cuda: bool) -> None:
         self.decode_device, self.decode_reason = device, reason
         if self._told != (device, reason):  # once per stream while the choice holds, not at every reconnect
             self._told = (device, reason)
@@ -371,27 +419,65 @@ class _NvdecDecoding:
         tickets, last, n = _Tickets(), _now(), 0
         for packet, got in packets:
             ticket = 0
+            # until NVDEC's first frame, the packet is kept (the filter consumes it): if NVDEC refuses the
+            # stream in this Decode, the CPU decodes it instead (a keyframe: the first one NVDEC parsed)
+            kept = _copy(packet) if not self.nvdec_frames and packet.size else None
             if packet.size:  # the empty packet at the end only flushes the decoder
                 last = got
                 ticket = tickets.add(packet.pts, got)  # read before the filter: it consumes the packet
             try:
                 decoded = session.decode(packet, ticket)
-            except DecoderFailed:
+            except (DecoderFailed, SessionOver) as err:
+                if n == 0 and not (isinstance(err, DecoderFailed) and not err.decoder_raised):
+                    yield from self._failed_before_first_frame(err, kept, got, packets)
+                    return
+                if isinstance(err, SessionOver):
+                    self.session_error = f"NVDEC: {err}"
+                    return
                 self.decode_errors += 1  # decoding resumes at the next keyframe, with a new decoder
                 continue
-            except SessionOver as err:
-                self.session_error = f"NVDEC: {err}"
-                return
             decode_s = time.monotonic() - got[0]  # packet -> frames copied out, never the wait for packets
             for echoed, nv12, ready in decoded:
                 pts, (t_mono, t_wall) = tickets.pop(echoed, last)
+                self.nvdec_frames += 1
                 yield DecodedFrame(None, float(frame_pts(pts, tb, n, self.fps)), decode_s, t_mono, t_wall,
                                    nv12=nv12, ready=ready, colour=colour)
                 n += 1
 
+    def _failed_before_first_frame(self, err: Exception, kept: Optional[av.Packet], got: tuple[float, float],
+                                   packets: Iterator[tuple[av.Packet, tuple[float, float]]]) -> Iterator[DecodedFrame]:
+        """NVDEC failed before this session's first frame: NVDEC refusing the stream (its capability check
+        runs in the first Decode), not a corrupt packet. Never a silent loop of rebuilds that yield nothing:
+
+        * before the stream's first NVDEC frame, `auto` decodes on the CPU from the failed packet on, and says
+          why in the stream's state (its ring has no frame yet, so it takes RGB slots); a reopen stays there;
+        * `decode: cuda` fails the stream with the reason (SourceError: the ingest thread fails it);
+        * after earlier sessions gave NVDEC frames (the ring holds NV12 in GPU memory) the session ends with
+          the reason: a network stream reconnects with backoff, a file ends early.
+        """
+        why = (f"Decode raised {err}" if isinstance(err, DecoderFailed) else str(err))[:300]
+        if self.nvdec_frames:
+            self.session_error = (f"NVDEC: failed before this session's first frame ({why}); the stream's "
+                                  "earlier frames were NVDEC's (NV12 in GPU memory), so it does not switch to the CPU")
+            return
+        if self.decode == "cuda":
+            raise SourceError(self.stream_id, f"decode: cuda, but NVDEC failed before the stream's first frame "
+                                              f"({why}); {_STREAM_FIX}")
+        self._session, self.filter_name = None, None
+        self._chosen("cpu", f"auto: NVDEC failed before the stream's first frame ({why})", True)
+        yield from super()._decode(itertools.chain([(kept, got)] if kept is not None else [], packets))
+
     def close(self) -> None:
         self._session = None  # the decoder and its surfaces go; frames handed out own their copies
         super().close()
+
+
+def _copy(packet: av.Packet) -> av.Packet:
+    """A packet of the same bytes and timing, for PyAV to decode (compressed data: kilobytes)."""
+    again = av.Packet(bytes(packet))
+    again.pts, again.dts, again.time_base = packet.pts, packet.dts, packet.time_base
+    again.is_keyframe, again.stream = packet.is_keyframe, packet.stream
+    return again
 
 
 class NvdecFileSource(_NvdecDecoding, FileSource):

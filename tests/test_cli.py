@@ -156,7 +156,19 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
         (r.stdout[-2000:], r.stderr[-2000:])
     lines = [json.loads(x) for x in (tmp_path / "gpu_check_dry.jsonl").read_text().splitlines()]
     done = {x["name"]: x["rc"] for x in lines if x["part"] == "part_done"}
-    assert done == {"tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0, "sam2": 0}
+    assert done == {"probe": 0, "tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0, "sam2": 0}
+    assert lines[1]["part"] == "probe"  # first: the open questions (issue 32 item 7)
+    probe = {x["question"]: x for x in lines if x["part"] == "probe"}
+    assert set(probe) == {"setup", "caps", "params", "oversize", "event_wait", "syncs_classify", "syncs_sam2",
+                          "stream"}, probe
+    assert not any(x["gpu"] or "error" in x for x in probe.values()), probe
+    # no GPU: said; the NVDEC questions' code ran against the fake decoder, the GPU-only ones were skipped
+    assert probe["caps"]["note"].startswith("no GPU") and set(probe["caps"]["caps"]) == {
+        "H264", "HEVC", "AV1", "VP8", "VP9", "MPEG2"}, probe["caps"]
+    assert probe["params"]["frames_without_params"] == 0 < probe["params"]["frames_params_before_first_slice"]
+    assert probe["oversize"]["create"] == "ok" and "Resolution not supported" in probe["oversize"]["decode"]
+    assert probe["stream"]["echoes_tickets"] is True
+    assert all(probe[q]["skipped"].startswith("no GPU") for q in ("event_wait", "syncs_classify", "syncs_sam2"))
     live = next(x for x in lines if x["part"] == "live")
     assert live["published"] > 0 and live["decode"]["device"] == "cpu"
     # max_batch auto, said with the estimate it chose on

@@ -1,11 +1,13 @@
-"""Per-stream frame rings: a fixed number of preallocated slots, sized from a memory budget.
+"""Per-stream frame rings: a fixed number of slots, sized from a memory budget.
 
-All slots are allocated when the first frame's size is known. The decoder thread copies each
+All slots are reserved in the engine's frame budget when the first frame's size is known; each slot's
+memory is allocated by the writer when it first writes into it (or after a size change), outside the
+ledger lock, which every ingest thread and the engine core share. The decoder thread copies each
 decoded frame into a free slot (PyAV allocates its own output array and has no `out=`, so this
 is the one copy a frame gets; an NVDEC frame is copied device to device); the worker reads the
 slot in place (`FrameRef.pixels()`) and releases it once its input batch is built (on the GPU:
 once the kernels it queued have read it, by event). The slots' memory is the ring's `SlotStorage`
-(storage.py): pinned host RGB for CPU-decoded frames, NV12 in GPU memory for NVDEC frames, chosen
+(storage.py): pageable host RGB for CPU-decoded frames, NV12 in GPU memory for NVDEC frames, chosen
 by the first frame; the ring keeps the slots' states, the budget and the accounting.
 
 The live view's `tap` is offered each frame a worker has seen, when it releases it: before the
@@ -18,8 +20,8 @@ overwritten and counted as dropped(ring_full). offline mode: the writer waits (b
 The ring's condition variable is built on its pool's ledger lock (`Accounting.lock`): a frame
 becomes READY and is counted as ingested in one critical section, and the engine core takes
 READY frames into the scheduler in another, so the pool's in-flight count (the ring holds its
-READY frames) is exact at every moment. The pixel copy happens outside the lock, into a slot
-the writer has reserved (WRITING), which no reader looks at.
+READY frames) is exact at every moment. The slot's allocation and the pixel copy happen outside the
+lock, into a slot the writer has reserved (WRITING), which no reader looks at.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class FrameRing:
 
     def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
                  min_slots: int, max_slots: int, max_frame_pixels: int,
-                 notify: Callable[[], None] = lambda: None, pin: Optional[bool] = None, max_interval: int = 1,
+                 notify: Callable[[], None] = lambda: None, max_interval: int = 1,
                  budget: Optional[FrameMemoryBudget] = None, storage: Optional[SlotStorage] = None):
         self.stream = stream
         self._budget = budget  # the engine-wide frame memory (engine/frame_budget.py); None: unbounded
@@ -74,7 +76,7 @@ class FrameRing:
         self._min_slots, self._max_slots = min_slots, max_slots
         self._max_pixels = max_frame_pixels
         self._notify = notify
-        self._storage = storage if storage is not None else HostSlots(pin)  # the slots' memory
+        self._storage = storage if storage is not None else HostSlots()  # the slots' memory
         # No storage given: the first frame decides (an NVDEC frame, a torch tensor: DeviceSlots on its device).
         self._storage_chosen = storage is not None
         self._cond = threading.Condition(accounting.lock)
@@ -87,8 +89,13 @@ class FrameRing:
         self.overwrites = 0
         self.reallocations = 0
         # The live view's tap (engine/view/hub.py): offered each frame a worker has built its input
-        # from, before its slot is freed. None when the view is off.
-        self.tap: Optional[Callable[[FrameMeta, torch.Tensor], None]] = None
+        # from, before its slot is freed. None when the view is off. For a GPU slot it is also given the
+        # slot's `ready` and release (`after`) events, and returns the event after which its own queued reads
+        # of the slot are done (covering `after`), or None when it queued none.
+        self.tap: Optional[Callable[..., Any]] = None
+        # A remote writer's client (engine/ingest/client.py): told, outside the lock, that a slot was freed, so
+        # it lends it back as a credit. None for an in-process writer (it finds free slots itself).
+        self.on_free: Optional[Callable[[], None]] = None
 
     # -- producer side -------------------------------------------------------------------
     def reserve_for(self, h: int, w: int) -> None:
@@ -110,9 +117,11 @@ class FrameRing:
                    if self._storage.shape(i) not in (None, self._shape))
 
     def _give_back(self) -> None:
-        """Lock held: a closed ring whose slots are all freed returns its reservation."""
-        if self._budget is not None and self._closed and all(self._storage.shape(i) is None
-                                                              for i in range(self._storage.count())):
+        """Lock held: a closed ring whose slots are all freed returns its reservation. Not while a slot is
+        WRITING: its writer allocates it outside the lock (it may hold memory the shapes do not show yet),
+        and frees it and calls this once it sees the ring closed."""
+        if self._budget is not None and self._closed and SlotState.WRITING not in self._state \
+                and all(self._storage.shape(i) is None for i in range(self._storage.count())):
             self._budget.release(self)
 
     def _allocate(self, h: int, w: int) -> None:
@@ -122,8 +131,8 @@ class FrameRing:
         self._state = [SlotState.FREE] * n
         self._meta = [None] * n
         self._shape, self._limit = (h, w), n
-        for i in range(n):  # preallocated up front: the ring's memory is fixed from its first frame on
-            self._storage.allocate(i, h, w)
+        # No slot is allocated here (the ledger lock is held): the writer allocates each as it first reserves
+        # it (write). The budget holds all n from now on, so the ring's memory is bounded from its first frame.
 
     def _resize(self, h: int, w: int) -> None:
         """The stream's frame size changed: slots follow it one by one as they are reused, and the
@@ -174,8 +183,18 @@ class FrameRing:
                 return False
             if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
                 return True
+        # Outside the lock (the slot is WRITING: nobody else touches it): an allocation (first use, or a new
+        # size; a no-op otherwise) under the pool's ledger lock would stall every ingest thread and the core.
+        try:
             self._storage.allocate(i, h, w)
-        self._storage.write(i, frame, ready)  # outside the lock: the slot is WRITING, nobody else reads it
+        except BaseException:  # out of memory: the slot goes back, the stream fails with the error
+            with self._cond:
+                self._state[i] = SlotState.FREE
+                self._storage.free(i)
+                self._give_back()
+                self._cond.notify_all()
+            raise
+        self._storage.write(i, frame, ready)
         with self._cond:
             if self._closed:  # closed while copying: the frame never entered the pipeline
                 self._state[i] = SlotState.FREE
@@ -284,7 +303,7 @@ class FrameRing:
         after: the CUDA event after which the reader's queued work no longer reads the slot (the next
         write into it waits for it on the GPU); None: nothing pending."""
         if seen:
-            self._offer(slot)
+            after = self._offer(slot, after)
         with self._cond:
             if after is not None:
                 self._storage.release_after(slot, after)
@@ -299,22 +318,124 @@ class FrameRing:
             if shape is not None and shape != self._shape and not self._closed:
                 self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
             self._cond.notify_all()
+        if self.on_free is not None:
+            self.on_free()
 
-    def _offer(self, slot: int) -> None:
+    # -- remote writer (engine/ingest): slots change owner by message, never under a lock the writer shares --
+    def slots_needed(self, h: int, w: int) -> int:
+        """How many slots of h x w this ring would use (a new segment's size)."""
+        n = slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots, self._max_slots)
+        return min(n, len(self._state)) if self._state else n
+
+    def set_geometry(self, h: int, w: int, segment: Any) -> int:
+        """The remote writer's frames are h x w now, in `segment` (created by the caller for slots_needed(h, w)
+        slots): reserved in the frame budget (SourceError if it does not fit: nothing changed), every lent
+        slot taken back (its writer drops its credits with the new geometry). Returns the usable slots."""
+        if h * w > self._max_pixels:
+            raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
+                                           "raise it if this stream is really that large")
+        with self._cond:
+            self._reclaim()
+            if not self._state:
+                self._allocate(h, w)
+            elif (h, w) != self._shape:
+                self._resize(h, w)
+            self._storage.map(segment)
+            return self._limit
+
+    def lend(self) -> list[int]:
+        """FREE slots below the limit -> WRITING, lent to the remote writer. Live, when none is free and the
+        writer holds none: the oldest READY frame is dropped (ring_full) and its slot lent, which keeps
+        freshest-first as write()'s overwrite does. Offline: only free slots (the writer waits for them)."""
+        with self._cond:
+            if self._closed or not self._state:
+                return []
+            out = [i for i in range(self._limit) if self._state[i] is SlotState.FREE]
+            if not out and self.live and SlotState.WRITING not in self._state[:self._limit]:
+                usable = [j for j in self._ready_order if j < self._limit]
+                if usable:
+                    i = usable[0]
+                    self._ready_order.remove(i)
+                    self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
+                    self._meta[i] = None
+                    self.overwrites += 1
+                    out = [i]
+            for i in out:
+                self._storage.allocate(i, *self._shape)  # a view of the segment: no memory is allocated
+                self._state[i] = SlotState.WRITING
+            return out
+
+    def commit(self, slot: int, meta: FrameMeta) -> bool:
+        """A lent slot now holds frame `meta` (meta.height x meta.width): WRITING -> READY, counted ingested,
+        the core woken (write()'s last critical section). False, and nothing counted, when the slot is not
+        lent at that size (a bug or a forged descriptor) or the ring closed meanwhile (the slot is freed)."""
+        with self._cond:
+            if not 0 <= slot < len(self._state) or self._state[slot] is not SlotState.WRITING \
+                    or self._storage.shape(slot) != (meta.height, meta.width):
+                return False
+            if self._closed:
+                self._state[slot] = SlotState.FREE
+                self._storage.free(slot)
+                self._give_back()
+                self._cond.notify_all()
+                return False
+            self._acct.ingest(self.stream)
+            meta.pixel_format = self._storage.pixel_format
+            meta.t_decoded = time.monotonic()
+            self._meta[slot] = meta
+            self._state[slot] = SlotState.READY
+            self._ready_order.append(slot)
+        self._notify()
+        return True
+
+    def reclaim(self) -> int:
+        """Every lent slot (WRITING) -> FREE: its writer died or its credits were renewed. Returns how many."""
+        with self._cond:
+            return self._reclaim()
+
+    def _reclaim(self) -> int:
+        n = 0
+        for i, state in enumerate(self._state):
+            if state is SlotState.WRITING:
+                self._state[i] = SlotState.FREE
+                if self._closed or i >= self._limit:
+                    self._storage.free(i)
+                n += 1
+        if n:
+            self._give_back()
+            self._cond.notify_all()
+        return n
+
+    def drop_at_source(self, n: int) -> None:
+        """The remote writer dropped n frames before copying them (no credit, live): ingested and
+        dropped(ring_full), so the ledger covers them. Not once the ring is closed (its stream is going)."""
+        with self._cond:
+            if n > 0 and not self._closed:
+                self._acct.ingest(self.stream, n)
+                self._acct.drop(self.stream, DropReason.RING_FULL, n)
+                self.overwrites += n
+
+    def _offer(self, slot: int, after: Any) -> Any:
         """Offer a seen frame to the live view's tap (a no-op unless someone watches its stream). Not under
         the ledger lock (the tap copies pixels); the slot is still claimed, so nobody writes it meanwhile.
+        Returns the slot's release event: `after`, or for a GPU slot the tap's event when it queued reads of
+        the slot (on its own stream, after `after`: so the next write waits for both, on the GPU).
         A tap error is the view's problem: logged, never the frame's."""
         tap, meta = self.tap, self._meta[slot]
         if tap is None or meta is None:
-            return
+            return after
         try:
             ready = self._storage.ready_event(slot)
             if ready is None:
                 tap(meta, self._storage.tensor(slot))
-            else:  # GPU slots: the copy into the slot may still be queued; the tap waits only if it takes the frame
-                tap(meta, self._storage.tensor(slot), ready=ready)
+                return after
+            # GPU slots: the copy into the slot may still be queued; the tap queues its own copy behind it on
+            # the GPU (engine/view/hub.py), never waiting here on the worker's thread
+            mine = tap(meta, self._storage.tensor(slot), ready=ready, after=after)
+            return after if mine is None else mine
         except Exception:
             log.exception("view tap failed on %s#%d (the frame goes on)", self.stream, meta.seq)
+            return after
 
     @property
     def closed(self) -> bool:

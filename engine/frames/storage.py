@@ -2,21 +2,29 @@
 
 The ring (ring.py) owns the slots' states, the budget and the accounting; it asks its storage for
 memory only: allocate slot i at h x w, copy a decoded frame in, the tensor a reader reads, free
-slot i. Two implementations:
-  * HostSlots: uint8 (H, W, 3) RGB host tensors, pinned when CUDA is available (pinning raises
-    without a driver) so an upload is a DMA. CPU-decoded frames (PyAV) land here.
+slot i. Three implementations:
+  * HostSlots: uint8 (H, W, 3) RGB host tensors in ordinary (pageable) memory. CPU-decoded frames (PyAV)
+    land here. Never pinned, also on a GPU machine: no upload reads a slot (a runner copies its batch's host
+    frames into its own pinned staging buffer, batch_preprocess.py, or `exact` reads them through PIL), so
+    pinning bought nothing and cost cudaHostAlloc (rounded up by torch's caching host allocator: 48 720p
+    streams held ~3 GB locked, outside ring.total_memory_mb's count).
   * DeviceSlots: uint8 (H * 3 // 2, W) NV12 tensors in GPU memory. NVDEC frames land here with a
     device-to-device copy on the ring's own CUDA stream: no pixel crosses the host.
+  * SharedHostSlots: the same RGB slots in a shared-memory segment the core created, written by an ingest
+    process (engine/ingest, issue 33); the core only reads them.
 Only engine/frames and the model runners touch pixels.
 
 Ordering without host syncs (DeviceSlots): a write waits (on the GPU) for the decoder's event
 (the frame is written) and for the slot's release event (the last reader's kernels are done with
 it), then records the slot's `ready` event, which a reader's stream waits on before reading.
-HostSlots keeps the same contract with host waits: a pinned slot whose upload was queued
-asynchronously is written again only after that upload's event has completed.
+HostSlots needs no ordering: every reader has read a host slot on the host before it releases it, so a
+release event handed to it (a mixed batch's, for its NV12 frames) is dropped, and the ingest thread never
+waits on the GPU.
 
-Not thread-safe by itself: the ring calls it under its lock, except the writer's copy into a slot
-it reserved (WRITING) and the readers' views of slots they hold (CLAIMED), which nobody else touches.
+Not thread-safe by itself: the ring calls it under its lock, except the writer's allocation of and copy
+into a slot it reserved (WRITING) and the readers' views of slots they hold (CLAIMED), which nobody else
+touches. Nothing is allocated under the ring's lock: it is the pool's ledger lock, which every ingest thread
+and the engine core share.
 """
 
 from __future__ import annotations
@@ -92,19 +100,16 @@ class SlotStorage(ABC):
 
 
 class HostSlots(SlotStorage):
-    """uint8 (h, w, 3) RGB host tensors, pinned when CUDA is available, with a numpy view of each for
-    the writer (PyAV hands out numpy arrays; np.copyto into the view is the frame's one copy)."""
+    """uint8 (h, w, 3) RGB host tensors (pageable: the module docstring says why), with a numpy view of each
+    for the writer (PyAV hands out numpy arrays; np.copyto into the view is the frame's one copy)."""
 
-    def __init__(self, pin: Optional[bool] = None):
-        self._pin = torch.cuda.is_available() if pin is None else pin
+    def __init__(self):
         self._tensors: list[Optional[torch.Tensor]] = []
         self._arrays: list[Optional[np.ndarray]] = []  # numpy views of _tensors (same memory)
-        self._pending: list[Any] = []  # per slot: the event of an async upload still reading it, or None
 
     def resize(self, n: int) -> None:
         self._tensors = [None] * n
         self._arrays = [None] * n
-        self._pending = [None] * n
 
     def frame_size(self, frame: Any) -> tuple[int, int]:
         if not isinstance(frame, np.ndarray) or frame.ndim != 3 or frame.shape[2] != 3 or frame.dtype != np.uint8:
@@ -116,26 +121,20 @@ class HostSlots(SlotStorage):
         arr = self._arrays[slot]
         if arr is None or arr.shape[0] != h or arr.shape[1] != w:
             self.free(slot)  # the old size first: never hold both
-            t = torch.empty((h, w, 3), dtype=torch.uint8, pin_memory=self._pin)
+            t = host_frame(h, w)
             self._tensors[slot], self._arrays[slot] = t, t.numpy()
 
     def write(self, slot: int, frame: Any, ready: Any = None) -> None:
-        pending, self._pending[slot] = self._pending[slot], None
-        if pending is not None:
-            pending.synchronize()  # an upload queued from this pinned slot must finish before it is overwritten
         np.copyto(self._arrays[slot], frame)  # PyAV has no `out=`: this is the frame's one copy
 
     def release_after(self, slot: int, event: Any) -> None:
-        self._pending[slot] = event
+        """Dropped: a host slot's readers have read it on the host before they release it (the event is the
+        batch's, for the NV12 frames of a mixed batch); waiting on it would stall the ingest thread on the GPU."""
 
     def tensor(self, slot: int) -> torch.Tensor:
         return self._tensors[slot]
 
     def free(self, slot: int) -> None:
-        # No wait here (free runs under the ring's lock, which the ingest threads and the core share): torch's
-        # caching host allocator keeps a pinned block that a non_blocking copy still reads until that copy's
-        # event completes, so dropping the tensor is safe.
-        self._pending[slot] = None
         self._tensors[slot] = self._arrays[slot] = None
 
     def shape(self, slot: int) -> Optional[tuple[int, int]]:
@@ -148,6 +147,72 @@ class HostSlots(SlotStorage):
 
     def count(self) -> int:
         return len(self._arrays)
+
+
+class SharedHostSlots(SlotStorage):
+    """uint8 (h, w, 3) RGB slots in a shared-memory segment the core created (engine/ingest/slots.py), written
+    by an ingest process: the core side only reads them. `map(segment)` points the slots at the ring's current
+    segment; a slot still holding a frame of an older segment keeps its view until it is freed (the old
+    segment's mapping lives while a view of it does), then follows the current one when reused.
+    Allocation is a view of the segment, never memory of its own: the segment is the memory, reserved in
+    the frame budget by the ring (FrameRing.set_geometry) before it is created."""
+
+    def __init__(self):
+        self._tensors: list[Optional[torch.Tensor]] = []
+        self.segment: Any = None
+        self._views: Optional[torch.Tensor] = None  # (count, h, w, 3) over the current segment
+
+    def map(self, segment: Any) -> None:
+        """The ring's current segment (an engine.ingest.slots.Segment): slots allocated from now on view it."""
+        self.segment = segment
+        self._views = torch.from_numpy(segment.array)
+
+    def resize(self, n: int) -> None:
+        self._tensors = [None] * n
+
+    def frame_size(self, frame: Any) -> tuple[int, int]:
+        return HostSlots.frame_size(self, frame)
+
+    def allocate(self, slot: int, h: int, w: int) -> None:
+        t = self._tensors[slot]
+        if t is not None and tuple(t.shape[:2]) == (h, w) and self._views is not None \
+                and t.data_ptr() == self._views[slot].data_ptr():
+            return
+        seg = self.segment
+        if seg is None or (seg.h, seg.w) != (h, w) or slot >= seg.count:
+            raise ValueError(f"slot {slot} of {w}x{h} is not in the ring's segment "
+                             f"({None if seg is None else f'{seg.count} x {seg.w}x{seg.h}'})")
+        self._tensors[slot] = self._views[slot]
+
+    def write(self, slot: int, frame: Any, ready: Any = None) -> None:
+        """The core never writes these slots (its ingest process does); tests may, through a numpy view."""
+        np.copyto(self._tensors[slot].numpy(), frame)
+
+    def release_after(self, slot: int, event: Any) -> None:
+        """Dropped, as HostSlots does: host slots are read on the host before release."""
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        return self._tensors[slot]
+
+    def free(self, slot: int) -> None:
+        self._tensors[slot] = None
+
+    def shape(self, slot: int) -> Optional[tuple[int, int]]:
+        t = self._tensors[slot]
+        return None if t is None else (int(t.shape[0]), int(t.shape[1]))
+
+    def nbytes(self, slot: int) -> int:
+        t = self._tensors[slot]
+        return 0 if t is None else t.numel()
+
+    def count(self) -> int:
+        return len(self._tensors)
+
+
+def host_frame(h: int, w: int) -> torch.Tensor:
+    """One host slot's memory: pageable, exactly h * w * 3 bytes (what the ring's budget counts). A function
+    of its own so that a test can watch every allocation (and that none happens under the ledger lock)."""
+    return torch.empty((h, w, 3), dtype=torch.uint8)
 
 
 class DeviceSlots(SlotStorage):
@@ -204,6 +269,8 @@ class DeviceSlots(SlotStorage):
             if pending is not None:
                 self._stream.wait_event(pending)  # the slot's last reader is done with it
             self._tensors[slot].copy_(frame, non_blocking=True)
+            # waited on by the readers' streams (stream.wait_event: the models, the live view), never by the host:
+            # torch's default, non-blocking event (engine/models/device.host_event says why host-waited ones are not)
             event = self._cuda.Event()
             event.record(self._stream)
         self._ready[slot] = event
@@ -242,10 +309,10 @@ class DeviceSlots(SlotStorage):
         return len(self._tensors)
 
 
-def storage_for(pixel_format: str, device: Optional[torch.device] = None, *, pin: Optional[bool] = None) -> SlotStorage:
+def storage_for(pixel_format: str, device: Optional[torch.device] = None) -> SlotStorage:
     """The storage for frames of `pixel_format`: rgb24 -> HostSlots, nv12 -> DeviceSlots on `device`."""
     if pixel_format == "rgb24":
-        return HostSlots(pin)
+        return HostSlots()
     if pixel_format == "nv12":
         return DeviceSlots(device if device is not None else torch.device("cuda"))
     raise ValueError(f"pixel format {pixel_format!r}: use rgb24 or nv12")

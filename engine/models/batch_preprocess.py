@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.models.device import host_event, pinned_empty
 from engine.models.colour import MATRICES, RANGES, check_nv12, nv12_to_rgb
 from engine.models.preprocess import InputContract, _CenterCropOrPad, _KeepRatioResize, _tensor_step
 
@@ -139,12 +140,13 @@ class _Staging:
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copy may still be reading the buffer
         if total > self.buffer.numel():
-            self.buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.pin)
+            # pinned: this buffer is what the upload DMAs from (the ring's host slots are not pinned: storage.py)
+            self.buffer = pinned_empty(total, torch.uint8) if self.pin else torch.empty(total, dtype=torch.uint8)
         flat = self.buffer[:total]
         torch.cat([f.reshape(-1) for f in frames], out=flat)
         out = upload(flat, self.device)
         if self.pin:
-            self._copied = torch.cuda.Event()
+            self._copied = host_event()  # the next batch waits on it on the host: blocking, no spinning core
             self._copied.record()
         return out
 

@@ -141,6 +141,8 @@ class ClassifierRunner(ModelRunner):
         runner's stream (those reads included). None otherwise: prepare has read the slots already."""
         if not self._slots_read_on_gpu:
             return None
+        # waited on by the ring's copy stream only (DeviceSlots: stream.wait_event), never by the host: torch's
+        # default, non-blocking event (device.host_event says why host-waited ones are not)
         event = torch.cuda.Event()
         event.record(self.stream)
         return event

@@ -60,3 +60,21 @@ def wait_for_slots(stream: "torch.cuda.Stream | None", frames) -> bool:
         if ready is not None:
             stream.wait_event(ready)
     return any(f.meta.pixel_format == "nv12" for f in frames)
+
+
+def host_event(cuda=None) -> "torch.cuda.Event":
+    """A CUDA event the host waits on (`synchronize()`, a `query()` loop): made blocking. torch's default
+    (blocking=False) makes `synchronize()` spin a CPU core in a poll loop until the GPU gets there
+    (cudaEventBlockingSync off), which takes that core from the decoders and the other threads on a host
+    already short of them; a blocking one sleeps in the driver. Events that are only waited on by another
+    stream (`stream.wait_event`: the ring slots' write and release events) never block the host and keep
+    torch's default. `cuda`: a fake of torch.cuda in tests."""
+    return (cuda or torch.cuda).Event(blocking=True)
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory for a copy the GPU's DMA engine reads or writes asynchronously (a batch's
+    staging buffer, a result's host copy): pin only that, since pinning costs cudaHostAlloc, rounded up by
+    torch's caching host allocator, and locks the pages for the process's life. One function, so a test
+    can count what is pinned."""
+    return torch.empty(numel, dtype=dtype, pin_memory=True)

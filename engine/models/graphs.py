@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 
+from engine.models.device import host_event, pinned_empty
 from engine.sched.batch_size import candidate_sizes
 
 log = logging.getLogger("vidar.graphs")
@@ -235,14 +236,15 @@ class HostCopy:
     def __init__(self, *, pin: bool = True):
         self.pin = pin
         self._bufs: list[torch.Tensor] = []
-        self._event = torch.cuda.Event() if pin else None
+        self._event = host_event() if pin else None  # wait() blocks on it: blocking, so the host sleeps
 
     def copy(self, tensors: Sequence[torch.Tensor], stream: Optional[Any] = None) -> list[torch.Tensor]:
         host = []
         for i, t in enumerate(tensors):
             buf = self._bufs[i] if i < len(self._bufs) else None
             if buf is None or buf.dtype != t.dtype or buf.numel() < t.numel():
-                buf = torch.empty(t.numel(), dtype=t.dtype, pin_memory=self.pin)
+                # pinned: the copy from the device is a DMA queued behind the kernels (pageable would sync)
+                buf = pinned_empty(t.numel(), t.dtype) if self.pin else torch.empty(t.numel(), dtype=t.dtype)
                 self._bufs[i:i + 1] = [buf]
             view = buf[:t.numel()].view(t.shape)
             view.copy_(t, non_blocking=self.pin)

@@ -5,9 +5,10 @@ order, starting with a run of zeros. pycocotools computes them from a host array
 would first cross to the host whole: 0.9 MB per object per 720p frame, on the tracking stage's thread.
 Here the run boundaries are found with torch ops on the mask's own device (`!=` of neighbours, `nonzero`)
 and only they cross, 4 bytes each (a blob has two per column it spans: ~3 KB for a 400-column blob), with
-H + W + 1 flag bytes per mask for the first pixel and the bounding box. The host still waits for the GPU
-once per frame (`nonzero` must know its size), as the whole-mask copy did: what changes is the bytes
-copied and the host's work. pycocotools still writes the string (`frPyObjects` on the uncompressed
+H + W + 1 flag bytes per mask for the first pixel and the bounding box. The host waits for the GPU twice
+per frame: `nonzero` must know its size, then one transfer brings the flags, the boundaries and whatever
+the caller carries along (`carry`: the tracker's scores) to the host together (`to_host`), where a
+`.cpu()` each would sync once per tensor. pycocotools still writes the string (`frPyObjects` on the uncompressed
 counts), so the format is its own, not ours.
 
 The same torch ops run on CPU tensors: `tests/models/test_mask_rle.py` holds them equal to
@@ -17,24 +18,43 @@ The same torch ops run on CPU tensors: `tests/models/test_mask_rle.py` holds the
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["encode_masks", "encode_masks_host"]
+__all__ = ["encode_masks", "encode_masks_host", "to_host"]
 
 
-def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[int]]]]:
+def to_host(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Tensors of any dtypes, on one device, as host arrays through ONE transfer (on a GPU one sync, where a
+    `.cpu()` each is one each): their bytes back to back in one uint8 tensor, split on the host. Widest
+    dtypes first, so every part starts aligned to its own item size."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    flat = [tensors[i].contiguous().reshape(-1) for i in order]
+    packed = torch.cat([t.view(torch.uint8) for t in flat]).cpu().numpy()
+    out: list = [None] * len(tensors)
+    offset = 0
+    for i, t in zip(order, flat):
+        n = t.numel() * t.element_size()
+        dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+        out[i] = packed[offset:offset + n].view(dtype).reshape(tuple(tensors[i].shape))
+        offset += n
+    return out
+
+
+def encode_masks(binary: torch.Tensor, carry: Sequence[torch.Tensor] = ()
+                 ) -> tuple[list[dict], list[Optional[list[int]]]] | tuple[list[dict], list, list[np.ndarray]]:
     """binary: bool (N, H, W) on any device. Returns per mask its COCO RLE ({"size": [H, W], "counts": str})
-    and its bbox [x0, y0, x1, y1] (exclusive ends; None for an empty mask)."""
+    and its bbox [x0, y0, x1, y1] (exclusive ends; None for an empty mask). `carry`: tensors on the same
+    device brought to the host in the same transfer, returned third as numpy arrays (only when given)."""
     from pycocotools import mask as mask_utils
 
     if binary.dim() != 3 or binary.dtype != torch.bool:
         raise ValueError(f"encode_masks: expected a bool tensor (N, H, W), got {binary.dtype} {tuple(binary.shape)}")
     n, h, w = binary.shape
     if n == 0:
-        return [], []
+        return ([], [], to_host(carry)) if carry else ([], [])
     flat = binary.transpose(1, 2).reshape(n, h * w)  # column-major, as COCO's RLE reads a mask
     # Per mask: its first pixel, which rows and which columns are set. Queued before `nonzero`, whose wait for
     # its size then covers them: the copies after it wait for nothing new.
@@ -45,8 +65,9 @@ def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[i
     change = (flat[:, 1:] != flat[:, :-1]).reshape(-1).nonzero().squeeze(1)
     if n * step < 2 ** 31:
         change = change.to(torch.int32)
-    flags = flags.cpu().numpy()
-    change = change.cpu().numpy().astype(np.int64)
+    # one transfer for all (nonzero's sync above already waited for the kernels they need)
+    flags, change, *carried = to_host([flags, change, *carry])
+    change = change.astype(np.int64)
     mask_of, pos = np.divmod(change, max(step, 1))
     per_mask = np.searchsorted(mask_of, np.arange(n + 1))  # nonzero's indices are ascending: mask by mask
     rles, boxes = [], []
@@ -59,7 +80,7 @@ def encode_masks(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[i
         rle = mask_utils.frPyObjects({"size": [h, w], "counts": counts.tolist()}, h, w)
         rles.append({"size": [h, w], "counts": rle["counts"].decode()})
         boxes.append(_bbox(flags[k, 1:1 + h], flags[k, 1 + h:]))
-    return rles, boxes
+    return (rles, boxes, carried) if carry else (rles, boxes)
 
 
 def encode_masks_host(binary: torch.Tensor) -> tuple[list[dict], list[Optional[list[int]]]]:

@@ -119,8 +119,9 @@ class Preprocessor:
             x = torch.stack([torch.from_numpy(np.array(self._geometry(Image.fromarray(f.numpy())))).permute(2, 0, 1)
                              for f in frames])
             return self.normalise(x).to(self.device, self.dtype)
-        # On CUDA the slot is pinned, so the upload is an async DMA; the caller syncs before
-        # releasing the slot. Resizing runs where the pixels are.
+        # Host slots are pageable (engine/frames/storage.py): on CUDA the copy is staged by the driver before
+        # it returns, so the slot may be released at once (a GPU runner takes BatchPreprocessor's pinned staging
+        # instead). Resizing runs where the pixels are.
         x = torch.stack([self._geometry(f.to(self.device, non_blocking=True).permute(2, 0, 1)) for f in frames])
         return self.normalise(x).to(self.dtype)
 

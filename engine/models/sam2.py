@@ -16,7 +16,7 @@ from engine.sched.tuning import ThreadPlan, usable_cores
 from engine.models.base import PostProcessor, ModelRunner, time_batches
 from engine.models.batch_preprocess import BatchPreprocessor, frames_input
 from engine.models.preprocess import Preprocessor
-from engine.models.device import model_stream, on_stream, resolve_device, resolve_dtype, wait_for_slots
+from engine.models.device import host_event, model_stream, on_stream, resolve_device, resolve_dtype, wait_for_slots
 from engine.models.registry import FAMILY_OPS, PoolSpec
 from engine.models.sam2_model import KEY, autocast, build_sam2_model, resized_model, sam2_contract
 from engine.models.graphs import CudaGraphBackend, GraphBackend, GraphDispatcher, default_sizes
@@ -103,16 +103,17 @@ class Sam2EncoderRunner(ModelRunner):
         returns); otherwise the Preprocessor (exact: PIL as sam2's loader; fast on the CPU: uint8 tensor ops)."""
         if self.device.type == "cuda" and self.cfg.preprocess == "fast":
             return self.batch_pres[size](pixels, "rgb24")
-        x = self.pres[size](pixels)
-        if self.stream is not None:
-            self.stream.synchronize()  # exact on a GPU: uploads done, the slots may be reused
-        return x
+        # No sync here: exact reads the slots on the host (PIL) and its upload is a blocking copy from pageable
+        # memory, so the slots may be reused once this returns; fast on the CPU has no GPU at all.
+        return self.pres[size](pixels)
 
     def release_event(self):
         """After a prepare that read NV12 slots on the GPU: an event after everything queued so far on this
         instance's stream. None otherwise: prepare has read the slots already."""
         if not self._slots_read_on_gpu:
             return None
+        # waited on by the ring's copy stream only (DeviceSlots: stream.wait_event), never by the host: torch's
+        # default, non-blocking event (device.host_event says why host-waited ones are not)
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
@@ -127,7 +128,7 @@ class Sam2EncoderRunner(ModelRunner):
                 # wait for this batch's encoder: one batch in flight, the features whole before the tracking
                 # stage's stream reads them (it records its use of them: Sam2Processor.process), and the batch's
                 # time is its run time for the latency model, not its launch time
-                done = torch.cuda.Event()
+                done = host_event()  # blocking: the worker thread sleeps, it does not spin a core
                 done.record(self.stream)
                 done.synchronize()
             for i, f in zip(keep, feats):

@@ -500,12 +500,14 @@ def render_frame(results: list[dict], height: int, width: int) -> list[dict]:
         return [obj for r in results for obj in render_frame([r], height, width)]
     logits = torch.cat([r["logits"] for r in results]).float()
     video = F.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)[:, 0] > 0
-    # queued before the RLE's one wait for the GPU (mask_rle.py), read after it
     scores_t = torch.sigmoid(torch.cat([r["score"].reshape(-1)[:1] for r in results]).float())
     on_device = video.device.type != "cpu" if RLE_ON_DEVICE is None else RLE_ON_DEVICE
-    # on the CPU pycocotools' C encoder is faster: a 720p frame's 2 masks 8 ms against 16 (RESULTS.md)
-    rles, boxes = encode_masks(video) if on_device else encode_masks_host(video)
-    scores = scores_t.tolist()
+    if on_device:  # the scores ride along with the RLE's one transfer (mask_rle.py): no sync of their own
+        rles, boxes, (scores,) = encode_masks(video, carry=[scores_t])
+        scores = scores.tolist()  # a numpy array on the host
+    else:  # on the CPU pycocotools' C encoder is faster: a 720p frame's 2 masks 8 ms against 16 (RESULTS.md)
+        rles, boxes = encode_masks_host(video)
+        scores = scores_t.tolist()  # on the host already (a GPU takes this branch only for RLE_ON_DEVICE=False)
     return [{"id": int(r["id"]), "mask": rles[k], "bbox": boxes[k], "score": float(scores[k])}
             for k, r in enumerate(results)]
 

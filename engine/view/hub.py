@@ -6,7 +6,12 @@ counter. For a watched stream:
     models took what they need) and is about to free it; at most `view.fps` times a second per
     stream it copies the slot into one of two preallocated buffers (a memcpy; no resize, no
     encoding there). When both buffers wait for the encoder, the older frame is replaced and
-    counted (`busy`): the data path never waits for the view;
+    counted (`busy`): the data path never waits for the view. An NV12 slot (NVDEC, GPU memory) is
+    not waited for there: the tap queues a device-to-device copy of it on the view's own CUDA stream
+    behind the slot's write (and its readers' release event) and hands the ring an event after that
+    copy, which the slot's next write waits on, on the GPU; the encoder thread waits on that event
+    (blocking: it sleeps), converts the copy to RGB with the models' conversion and brings it to the
+    host. So a viewed NV12 frame costs the worker thread a few queued calls, never a host sync;
   * the publisher thread hands over each message it sent for the stream (a bounded queue; an
     overflow is counted as `results_overflow`);
   * one encoder thread downscales and JPEG-encodes the frames (OpenCV, which releases the GIL) and
@@ -36,6 +41,7 @@ import numpy as np
 import torch
 
 from engine.models.colour import nv12_to_rgb
+from engine.models.device import host_event
 
 from engine.config import ViewConfig
 from engine.executor.supervise import SupervisedThread
@@ -51,13 +57,20 @@ MIN_SIDE = 64         # the smallest longer side a page may ask for (below it a 
 OUTCOMES = ("shown", "busy", "unmatched", "superseded", "results_overflow")
 
 
-def _nv12_rgb(nv12, colour: tuple[str, str], ready) -> torch.Tensor:
-    """One NV12 slot as (H, W, 3) uint8 RGB in host memory (the view shows RGB JPEGs). The conversion is the
-    models' (engine/models/colour.py), on the slot's device; rare (at most view.fps frames a second)."""
-    if ready is not None:
-        ready.synchronize()  # this one copy, not the device
+def _nv12_rgb(nv12: torch.Tensor, colour: tuple[str, str]) -> torch.Tensor:
+    """One NV12 frame as an (H, W, 3) uint8 RGB view on its device (the view shows RGB JPEGs). The conversion
+    is the models' (engine/models/colour.py); rare (at most view.fps frames a second)."""
     rgb = nv12_to_rgb(nv12.unsqueeze(0), *colour)[0].round_().clamp_(0, 255).to(torch.uint8)
-    return rgb.permute(1, 2, 0).contiguous().cpu()
+    return rgb.permute(1, 2, 0)
+
+
+@dataclass(slots=True)
+class _Staged:
+    """An NV12 frame the tap took: a copy of its slot queued on the view's stream, and the event after it."""
+
+    nv12: torch.Tensor
+    colour: tuple[str, str]
+    done: object  # the blocking event after the copy (None: copied already, a CPU tensor)
 
 
 @dataclass(slots=True)
@@ -82,7 +95,7 @@ class _Stream:
     kinds: tuple = ()         # the pools the stream feeds: a frame is complete with a result of each
     next_due: dict = field(default_factory=dict)    # pool -> when its next frame may be taken
     recent: deque = field(default_factory=lambda: deque(maxlen=32))  # seqs taken (a frame feeds 2 pools)
-    pending: deque = field(default_factory=deque)   # (meta, buffer) waiting for the encoder, at most 2
+    pending: deque = field(default_factory=deque)   # (meta, buffer, gen, _Staged or None) for the encoder, <= 2
     free: list = field(default_factory=list)        # the two preallocated buffers when not in use
     shape: tuple = (0, 0)
     inbox: deque = field(default_factory=deque)     # published messages (dicts)
@@ -103,8 +116,14 @@ class ViewHub:
     """Owned by the engine; the web server reads it. Thread-safe: one lock guards the per-stream state,
     held for bookkeeping only (never while copying, resizing or encoding)."""
 
-    def __init__(self, cfg: ViewConfig, on_update: Callable[[str], None] = lambda stream: None):
+    def __init__(self, cfg: ViewConfig, on_update: Callable[[str], None] = lambda stream: None, *, cuda=None):
+        """`cuda`: a fake of torch.cuda's Stream, Event and stream() (tests run the NV12 path on the CPU)."""
         self.cfg = cfg
+        self._cuda = cuda
+        # the view's CUDA streams, made on the first NV12 frame: one the worker threads queue slot copies on, one
+        # the encoder thread converts and downloads on (never the legacy default stream, which every thread shares)
+        self._copy_stream = None
+        self._encode_stream = None
         self.on_update = on_update  # called on the encoder thread when a stream's shown frame changes
         self._lock = threading.Condition()
         self._streams: dict[str, _Stream] = {}
@@ -185,48 +204,90 @@ class ViewHub:
                 del self._streams[stream]
 
     # -- the tap (worker threads) ----------------------------------------------------------------
-    def capture(self, meta: FrameMeta, pixels, pool: str = "", ready=None) -> None:
+    def capture(self, meta: FrameMeta, pixels, pool: str = "", ready=None, after=None):
         """A worker of `pool` built its input from this ring slot and is about to free it. The cap is per
         pool: a slow pool (SAM 2) takes frames of its own, which get its results, while a fast one
         (classify) takes others. NV12 slots (NVDEC, GPU memory) come with `ready`, the event after which the
-        slot holds the frame: waited for (on the host) only when the frame is taken, then converted to RGB."""
+        slot holds the frame, and `after`, the slot's release event (its readers' work): a frame taken is
+        copied on the view's stream after both (module docstring), and the event after that copy is returned
+        for the ring to release the slot on. Returns None when nothing was queued (host frames, not taken)."""
         st = self._streams.get(meta.stream)
         if st is None or not st.watchers:
-            return
+            return None
         now = time.monotonic()
         if now < st.next_due.get(pool, 0.0) or meta.seq in st.recent:
-            return
-        if meta.pixel_format == "nv12":
-            pixels = _nv12_rgb(pixels, meta.colour, ready)
-        arr = pixels.numpy() if hasattr(pixels, "numpy") else pixels
+            return None
+        nv12 = meta.pixel_format == "nv12"
+        arr = None if nv12 else (pixels.numpy() if hasattr(pixels, "numpy") else pixels)
+        want = (meta.height, meta.width, 3) if nv12 else arr.shape
         with self._lock:
             if not st.watchers or now < st.next_due.get(pool, 0.0) or meta.seq in st.recent:
-                return
+                return None
             st.next_due[pool] = now + 1.0 / self.cfg.fps
             st.recent.append(meta.seq)
-            if st.shape != arr.shape:  # first frame, or the stream changed size: two buffers of the new size
+            if st.shape != want:  # first frame, or the stream changed size: two buffers of the new size
                 st.counts["busy"] += len(st.pending)
                 st.gen += 1  # a frame of the old size being encoded is let go, its buffer with it
-                st.shape, st.pending = arr.shape, deque()
-                st.free = [np.empty(arr.shape, np.uint8) for _ in range(2)]
+                st.shape, st.pending = want, deque()
+                st.free = [np.empty(want, np.uint8) for _ in range(2)]
             if st.free:
                 buf = st.free.pop()
             elif st.pending:  # both buffers wait for the encoder: replace the older frame
-                _, buf, _ = st.pending.popleft()
+                buf = st.pending.popleft()[1]
                 st.counts["busy"] += 1
             else:  # one is being encoded, the other copied into by another pool's worker: skip this one
                 st.counts["busy"] += 1
-                return
+                return None
             shape, gen = st.shape, st.gen
         if buf.shape != shape:
-            return
-        np.copyto(buf, arr)  # outside the lock: this buffer belongs to this call now
+            return None
+        staged = None
+        if nv12:  # a queued copy, converted on the encoder thread: nothing here waits on the GPU
+            staged = self._stage(pixels, meta.colour, ready, after)
+        else:
+            np.copyto(buf, arr)  # outside the lock: this buffer belongs to this call now
         with self._lock:
             if st.gen != gen:  # the watchers left (or the stream was re-added) while copying
                 st.counts["unmatched"] += 1
-                return
-            st.pending.append((meta, buf, gen))
-            self._lock.notify()
+            else:
+                st.pending.append((meta, buf, gen, staged))
+                self._lock.notify()
+        return staged.done if staged is not None else None
+
+    def _stage(self, nv12: torch.Tensor, colour: tuple[str, str], ready, after) -> _Staged:
+        """Worker thread: a copy of the NV12 slot queued on the view's copy stream, after the slot's write
+        (`ready`) and its readers' work (`after`, so the returned event covers both and the ring can release
+        the slot on it alone), and a blocking event after the copy, which only the encoder thread waits on."""
+        cuda = self._cuda
+        if cuda is None and nv12.device.type != "cuda":  # a CPU tensor (tests without a fake): copy now
+            return _Staged(nv12.clone(), colour, None)
+        cuda = cuda or torch.cuda
+        if self._copy_stream is None:
+            self._copy_stream = cuda.Stream(device=nv12.device)
+            self._encode_stream = cuda.Stream(device=nv12.device)
+        stream = self._copy_stream
+        with cuda.stream(stream):
+            for event in (ready, after):
+                if event is not None:
+                    stream.wait_event(event)
+            copy = torch.empty_like(nv12)
+            copy.copy_(nv12, non_blocking=True)
+            # Host-waited (the encoder thread) hence blocking; if anything above raised, no copy was queued and
+            # the ring releases the slot on `after` as if the view had not taken it (FrameRing._offer).
+            done = host_event(cuda)
+            done.record(stream)
+        return _Staged(copy, colour, done)
+
+    def _unstage(self, staged: _Staged, buf: np.ndarray) -> None:
+        """Encoder thread: wait for the copy (blocking event: this thread sleeps), convert it to RGB on its
+        device and bring it into `buf` (a synchronous download on the view's encode stream: off the data path)."""
+        if staged.done is None:
+            np.copyto(buf, _nv12_rgb(staged.nv12, staged.colour).numpy())
+            return
+        staged.done.synchronize()
+        cuda = self._cuda or torch.cuda
+        with cuda.stream(self._encode_stream):
+            torch.from_numpy(buf).copy_(_nv12_rgb(staged.nv12, staged.colour))
 
     # -- published messages (the publisher thread) -------------------------------------------------
     def on_message(self, msg: dict) -> None:
@@ -308,6 +369,8 @@ class ViewHub:
                     st.inbox.clear()
             for sid, st, item, msgs, side in work:
                 try:
+                    if item is not None and item[3] is not None:
+                        self._unstage(item[3], item[1])
                     frame = self._encode(cv2, item[0], item[1], side) if item is not None else None
                 except Exception:  # a bad frame must not end the view (nor the engine)
                     log.exception("view: stream %s: encoding a frame failed", sid)

@@ -24,55 +24,9 @@ from engine.frames.lifecycle import FrameMeta
 from engine.frames.ref import LooseFrames
 from engine.frames.ring import FrameRing
 from engine.frames.storage import DeviceSlots, HostSlots
+from tests.support.fake_cuda import FakeCuda, FakeEvent, nv12
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeEvent:
-    def __init__(self, name=""):
-        self.name, self.recorded_on, self.synced = name, None, 0
-
-    def record(self, stream):
-        self.recorded_on = stream
-
-    def synchronize(self):
-        self.synced += 1
-
-
-class FakeStream:
-    def __init__(self):
-        self.log: list = []  # ("wait", event) in the order they were queued (copies are not seen by the fake)
-
-    def wait_event(self, event):
-        self.log.append(("wait", event))
-
-
-class FakeCuda:
-    """torch.cuda's Stream, Event and stream() as DeviceSlots uses them."""
-
-    def __init__(self):
-        self.streams: list[FakeStream] = []
-        self.current = None
-
-    def Stream(self, **_):
-        s = FakeStream()
-        self.streams.append(s)
-        return s
-
-    def Event(self):
-        return FakeEvent("slot-ready")
-
-    @contextlib.contextmanager
-    def stream(self, s):
-        prev, self.current = self.current, s
-        try:
-            yield
-        finally:
-            self.current = prev
-
-
-def nv12(value: int, h: int = 8, w: int = 8) -> torch.Tensor:
-    return torch.full((h * 3 // 2, w), value, dtype=torch.uint8)
 
 
 def device_ring(slots=3, live=True, h=8, w=8):
@@ -96,7 +50,7 @@ def test_nv12_frames_round_trip_and_the_budget_counts_one_and_a_half_bytes_a_pix
     (ref,) = r.take_ready()
     assert ref.meta.pixel_format == "nv12" and (ref.meta.height, ref.meta.width) == (8, 8)
     assert torch.equal(ref.pixels(), nv12(7))
-    assert r.allocated_bytes() == 3 * 8 * 8 * 3 // 2
+    assert r.allocated_bytes() == 8 * 8 * 3 // 2  # one slot written; the others are allocated on first use
 
 
 def test_a_write_waits_on_the_decoder_then_on_the_slots_last_reader_and_readers_wait_on_the_write():
@@ -154,7 +108,7 @@ def test_a_ring_given_no_storage_takes_device_slots_for_a_tensor_and_host_slots_
     monkeypatch.setattr(ring_module, "DeviceSlots", device_slots)
     for first, expect in ((nv12(3), "nv12"), (np.full((8, 8, 3), 3, np.uint8), "rgb24")):
         r = FrameRing("cam", live=True, accounting=Accounting("p"), memory_bytes=2**16, min_slots=2, max_slots=4,
-                      max_frame_pixels=10**8, pin=False)
+                      max_frame_pixels=10**8)
         r.write(meta(0), first)
         (ref,) = r.take_ready()
         assert ref.meta.pixel_format == expect
@@ -164,20 +118,19 @@ def test_a_ring_given_no_storage_takes_device_slots_for_a_tensor_and_host_slots_
     assert made == [torch.device("cpu")]
 
 
-def test_host_slots_wait_for_a_pending_upload_before_the_slot_is_rewritten():
-    s = HostSlots(pin=False)
-    s.resize(1)
-    s.allocate(0, 2, 2)
-    upload = FakeEvent("upload")
-    s.release_after(0, upload)
-    s.write(0, np.ones((2, 2, 3), np.uint8))
-    assert upload.synced == 1
-    s.write(0, np.ones((2, 2, 3), np.uint8))
-    assert upload.synced == 1  # waited for once
-    later = FakeEvent("upload2")
-    s.release_after(0, later)
-    s.free(0)  # under the ring's lock: no wait (torch's pinned allocator holds the block for the copy)
-    assert later.synced == 0
+def test_a_host_slot_drops_its_release_event_so_the_ingest_thread_never_waits_on_the_gpu():
+    """A mixed batch (NV12 and host RGB frames) releases every frame on one event, recorded after its NV12 reads;
+    a host slot was read on the host before prepare returned, so the ingest thread must not wait for it
+    (before issue 32 the next write into that slot synchronised on it)."""
+    r = FrameRing("cam", live=True, accounting=Accounting("p"), memory_bytes=2 * 8 * 8 * 3, min_slots=2,
+                  max_slots=2, max_frame_pixels=10**8)
+    batch_event = FakeEvent("batch")
+    for seq in range(6):  # every slot rewritten after its release, several times
+        assert r.write(meta(seq), np.full((8, 8, 3), seq, np.uint8))
+        (ref,) = r.take_ready()
+        assert int(ref.pixels()[0, 0, 0]) == seq
+        ref.release(seen=True, after=batch_event)
+    assert batch_event.synced == 0
 
 
 def test_the_worker_thread_releases_slots_on_the_models_release_event():

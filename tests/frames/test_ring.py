@@ -16,7 +16,7 @@ from engine.frames.ring import FrameRing, slots_for
 def ring(live=True, slots=3, max_pixels=10**8):
     acct = Accounting("classify")
     r = FrameRing("s", live=live, accounting=acct, memory_bytes=slots * 8 * 8 * 3, min_slots=2,
-                  max_slots=slots, max_frame_pixels=max_pixels, pin=False)
+                  max_slots=slots, max_frame_pixels=max_pixels)
     acct.add_holder("ring", lambda: Counter({"s": r.ready()}))  # as a pool registers it
     return r, acct
 
@@ -114,7 +114,7 @@ def test_size_change_reallocates_the_slot():
 def test_size_change_keeps_memory_within_the_budget():
     acct = Accounting("classify")
     r = FrameRing("s", live=True, accounting=acct, memory_bytes=4 * 8 * 8 * 3, min_slots=2, max_slots=4,
-                  max_frame_pixels=10**8, pin=False)
+                  max_frame_pixels=10**8)
     acct.add_holder("ring", lambda: Counter({"s": r.ready()}))
     for i in range(4):
         r.write(*frame(i))

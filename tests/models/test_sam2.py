@@ -566,8 +566,9 @@ def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
 
     stream, made = Stream(), []
 
-    def event():
+    def event(**kwargs):
         made.append(Event())
+        made[-1].kwargs = kwargs
         return made[-1]
 
     class Slots(LooseFrames):  # a ring's slots whose writes are ordered by events
@@ -594,6 +595,7 @@ def test_on_a_gpu_the_encoder_orders_slots_by_events(ckpt, model, monkeypatch):
     out = w.infer(inputs)
     assert [o["_features"] is not None for o in out] == [True] * 3
     assert made[-1] is not released and made[-1].recorded == 1 and made[-1].synced == 1  # its own batch only
+    assert made[-1].kwargs == {"blocking": True} and released.kwargs == {}  # host-waited: blocking; GPU-waited: not
     assert entered == [stream, stream]  # prepare and infer, on the encoder's stream
     w.prepare([rgb[0]])
     assert w.release_event() is None  # host RGB slots: read before prepare returned

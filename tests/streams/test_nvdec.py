@@ -1,5 +1,5 @@
 """NVDEC decoding (streams/nvdec.py) on the CPU through the fake PyNvVideoCodec and fake CUDA
-(tests/support/fake_nvdec.py), `decode: auto | cpu | cuda` selection, and one GPU test with the real package."""
+(engine/testing/fake_nvdec.py), `decode: auto | cpu | cuda` selection, and one GPU test with the real package."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from engine.testing.clips import write_clip
 from streams import nvdec, open_source
 from streams.colour import colour_from_av
 from streams.pyav import FileSource
-from tests.support.fake_nvdec import DisplayDecodeLatencyType, FakeCuda, FakeNvdec, VideoPacketFlag
+from engine.testing.fake_nvdec import DisplayDecodeLatencyType, FakeCuda, FakeNvdec, VideoPacketFlag
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,13 +79,15 @@ def recording_arrivals(source) -> list:
 
 
 # -- decoding ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind, annexb_filter", [("mp4", "h264_mp4toannexb"), ("h264", None), ("ts", None)])
-def test_frames_equal_pyav_nv12_and_are_the_frames_own(fake, clips, kind, annexb_filter):
+@pytest.mark.parametrize("kind, packet_filter", [("mp4", "h264_mp4toannexb"), ("h264", "dump_extra"), ("ts", "dump_extra")])
+def test_frames_equal_pyav_nv12_and_are_the_frames_own(fake, clips, kind, packet_filter):
     src = open_source("cam", str(clips[kind]), decode="auto")
     frames = read_all(src)
     ref = pyav_nv12(clips[kind])
     assert (src.decode_device, src.decode_reason) == ("cuda", "auto: h264 on NVDEC")
-    assert src.filter_name == annexb_filter  # MP4 converted once; Annex-B inputs not filtered again
+    # MP4 converted to Annex-B; Annex-B inputs (raw, TS: FFmpeg fills their extradata while probing) get the
+    # extradata's parameter sets put before each keyframe
+    assert src.filter_name == packet_filter
     assert fake.annexb and all(fake.annexb)  # every packet NVDEC got started with a start code
     assert len(frames) == len(ref) == 48
     # all frames read first, compared after: a frame still pointing into a surface shows a later picture
@@ -208,13 +210,14 @@ def test_the_real_import_on_a_machine_without_the_driver_reads_as_unavailable():
     assert reason.startswith("auto: PyNvVideoCodec is unavailable (RuntimeError: Failed to load NVENC library"), reason
 
 
-def solid_clip(path: Path, codec: str, pix_fmt: str, options: dict | None = None) -> Path:
-    """Three flat 32x32 frames encoded with `codec` (and its options)."""
+def solid_clip(path: Path, codec: str, pix_fmt: str, options: dict | None = None, size: tuple[int, int] = (32, 32)) -> Path:
+    """Three flat frames of `size` (w, h) encoded with `codec` (and its options)."""
+    (w, h) = size
     with av.open(str(path), "w") as out:
         st = out.add_stream(codec, rate=10)
-        st.width, st.height, st.pix_fmt = 32, 32, pix_fmt
+        st.width, st.height, st.pix_fmt = w, h, pix_fmt
         st.options = options or {}
-        frames = [av.VideoFrame.from_ndarray(np.full((32, 32, 3), 40 * i, np.uint8), format="rgb24") for i in range(3)]
+        frames = [av.VideoFrame.from_ndarray(np.full((h, w, 3), 40 * i, np.uint8), format="rgb24") for i in range(3)]
         for frame in frames + [None]:  # None flushes the encoder
             for pkt in st.encode(frame):
                 out.mux(pkt)
@@ -352,12 +355,12 @@ def test_stream_colour_matches_how_pyav_converts(colorspace, color_range, pix_fm
 @pytest.mark.parametrize("codec, extradata, expect", [
     ("h264", b"\x01B\xc0\n\xff\xe1", "h264_mp4toannexb"),   # avcC (MP4, MKV)
     ("hevc", b"\x01\x01`\x00\x00\x00", "hevc_mp4toannexb"),  # hvcC
-    ("h264", b"\x00\x00\x00\x01gB", None),                  # Annex-B extradata (raw .h264, RTSP)
-    ("h264", b"", None),                                     # none (MPEG-TS)
+    ("h264", b"\x00\x00\x00\x01gB", "dump_extra"),          # Annex-B extradata (raw .h264, RTSP): SPS/PPS kept
+    ("h264", b"", None),                                     # none
     ("vp9", b"\x01\x02", None),
 ])
-def test_annexb_filter(codec, extradata, expect):
-    assert nvdec.annexb_filter(codec, extradata) == expect
+def test_packet_filter(codec, extradata, expect):
+    assert nvdec.packet_filter(codec, extradata) == expect
 
 
 # -- the real thing -------------------------------------------------------------------------------------
@@ -388,3 +391,14 @@ def test_real_nvdec_echoes_each_packets_ticket_on_its_frame(clip48):
             given += [ticket] if packet.size else []
             echoed += [t for t, _, _ in session.decode(packet, ticket)]
     assert echoed == given and len(given) == 48
+
+
+@pytest.mark.gpu
+def test_real_get_decoder_caps_answers_with_the_keys_read():
+    """streams/nvdec_caps.py reads these keys of PyNvVideoCodec 2.2.4's GetDecoderCaps (PyNvDecoder.cpp): a GPU
+    whose H.264 answer lacks them would choose NVDEC unchecked (the first-Decode fallback still stands)."""
+    from streams.nvdec_caps import decoder_caps
+    caps = decoder_caps(nvdec.load_pynvvideocodec(), 0, "h264")
+    assert not isinstance(caps, str), caps
+    assert {"supported", "width_max", "height_max", "mb_num_max", "width_min", "height_min"} <= set(caps), caps
+    assert caps["supported"] and caps["width_max"] >= 1920 and caps["height_max"] >= 1080, caps

@@ -7,7 +7,7 @@ the system python.  Tests start it as a subprocess and wait for the line
 ``READY rtsp://127.0.0.1:PORT/MOUNT`` on stdout.
 
   /usr/bin/python3 tests/rtsp_server.py --port 8554 [--mount /test]
-      [--file clip.mp4 | --pattern] [--fps 30] [--size 320x240]
+      [--file clip.mp4 | --pattern] [--fps 30] [--size 320x240] [--config-interval 1]
 """
 import argparse
 import signal
@@ -24,12 +24,12 @@ def build_launch(args):
     if args.file:
         # H.264 mp4 served as-is (no re-encode); one pass, no looping.
         return (f'( filesrc location="{args.file}" ! qtdemux ! h264parse '
-                "! rtph264pay name=pay0 pt=96 config-interval=1 )")
+                f"! rtph264pay name=pay0 pt=96 config-interval={args.config_interval} )")
     w, h = args.size.lower().split("x")
     return ("( videotestsrc is-live=true pattern=ball "
             f"! video/x-raw,width={int(w)},height={int(h)},framerate={args.fps}/1 "
             "! x264enc tune=zerolatency speed-preset=ultrafast key-int-max=30 "
-            "! rtph264pay name=pay0 pt=96 config-interval=1 )")
+            f"! rtph264pay name=pay0 pt=96 config-interval={args.config_interval} )")
 
 
 def main():
@@ -41,6 +41,8 @@ def main():
     src.add_argument("--pattern", action="store_true", help="live test pattern (default)")
     p.add_argument("--fps", type=int, default=30)
     p.add_argument("--size", default="320x240")
+    # rtph264pay's SPS/PPS in-band every N s; 0 (GStreamer's default): only in the SDP (sprop-parameter-sets)
+    p.add_argument("--config-interval", type=int, default=1)
     args = p.parse_args()
     mount = args.mount if args.mount.startswith("/") else "/" + args.mount
 

@@ -58,32 +58,95 @@ def test_unwatched_stream_costs_nothing(hub, monkeypatch):
     assert copies == [] and hub.shown("cam") == (0, None, {}) and hub.counters()["shown"] == {}
 
 
-def test_an_nv12_slot_is_shown_as_its_rgb_and_waits_only_for_its_own_copy(hub):
-    """NVDEC frames sit in GPU slots as NV12: the view converts the one it takes (the models' conversion)
-    and waits on that slot's copy event only; a frame it does not take costs no wait."""
+def _nv12_half_red():
     import av
 
-    class Ready:
-        synced = 0
-
-        def synchronize(self):
-            Ready.synced += 1
     rgb = np.zeros((24, 32, 3), np.uint8)
     rgb[:, :16] = (200, 40, 40)
-    nv12 = torch.from_numpy(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="nv12")
+    return torch.from_numpy(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="nv12")
                             .to_ndarray(format="nv12"))
-    hub.expect("cam", [])
-    hub.capture(FrameMeta("cam", 1, 0.0, time.time(), height=24, width=32, pixel_format="nv12"), nv12, ready=Ready())
-    assert Ready.synced == 0  # nobody watches: not taken, not waited for
-    hub.watch("cam", +1)
-    hub.capture(FrameMeta("cam", 2, 0.0, time.time(), height=24, width=32, pixel_format="nv12"), nv12, ready=Ready())
-    assert Ready.synced == 1
-    assert wait_for(lambda: len(hub._streams["cam"].frames) == 1, 10.0, 0.01)
-    hub.on_message({"type": "classify", "stream": "cam", "seq": 2, "topk": []})
-    assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
-    jpeg = hub.shown("cam")[1].jpeg
-    shown = av.open(io.BytesIO(jpeg)).decode(video=0).__next__().to_ndarray(format="rgb24").astype(int)
-    assert np.abs(shown[:, 2:14] - (200, 40, 40)).max() < 30 and np.abs(shown[:, 18:30]).max() < 30
+
+
+def test_an_nv12_slot_is_shown_as_its_rgb_and_the_worker_thread_never_waits_on_the_gpu():
+    """NVDEC frames sit in GPU slots as NV12 (issue 32 item 6): the tap takes one by queuing a copy on the view's
+    own stream behind the slot's write and its readers' release event, and returns a blocking event after that
+    copy (the slot's new release event); nothing waits on the worker's thread. The encoder thread waits on that
+    event alone, converts (the models' conversion) and shows it. A frame not taken queues nothing."""
+    import av
+    import threading
+    from tests.frames.test_device_slots import FakeCuda, FakeEvent
+
+    class Cuda(FakeCuda):
+        def Event(self, **kwargs):
+            e = WatchedEvent("view")
+            e.kwargs = kwargs
+            return e
+
+    class WatchedEvent(FakeEvent):
+        def synchronize(self):
+            assert self.kwargs.get("blocking") is True, "a host-waited event must be blocking"
+            self.synced_on = threading.current_thread().name
+            super().synchronize()
+
+    cuda = Cuda()
+    hub = ViewHub(ViewConfig().model_copy(update={"fps": 1e9}), cuda=cuda)
+    try:
+        nv12 = _nv12_half_red()
+        ready, after = FakeEvent("slot-written"), FakeEvent("models-read")
+        hub.expect("cam", [])
+        meta = FrameMeta("cam", 1, 0.0, time.time(), height=24, width=32, pixel_format="nv12")
+        assert hub.capture(meta, nv12, ready=ready, after=after) is None  # nobody watches: not taken
+        assert cuda.streams == []
+        hub.watch("cam", +1)
+        meta = FrameMeta("cam", 2, 0.0, time.time(), height=24, width=32, pixel_format="nv12")
+        done = hub.capture(meta, nv12, ready=ready, after=after)
+        copy_stream = cuda.streams[0]
+        assert copy_stream.log == [("wait", ready), ("wait", after)]  # the copy after the write and the readers
+        assert done.recorded_on is copy_stream and done.kwargs == {"blocking": True}
+        assert ready.synced == after.synced == 0  # the worker's thread waited on nothing
+        assert wait_for(lambda: len(hub._streams["cam"].frames) == 1, 10.0, 0.01)
+        assert done.synced == 1 and done.synced_on != threading.current_thread().name  # the encoder's wait
+        hub.on_message({"type": "classify", "stream": "cam", "seq": 2, "topk": []})
+        assert wait_for(lambda: hub.shown("cam")[1] is not None, 10.0, 0.01)
+        jpeg = hub.shown("cam")[1].jpeg
+        shown = av.open(io.BytesIO(jpeg)).decode(video=0).__next__().to_ndarray(format="rgb24").astype(int)
+        assert np.abs(shown[:, 2:14] - (200, 40, 40)).max() < 30 and np.abs(shown[:, 18:30]).max() < 30
+    finally:
+        hub.close()
+
+
+def test_a_viewed_nv12_slot_is_rewritten_only_after_the_views_copy():
+    """Through a ring of GPU slots: the slot the view took is released on the view's event (which covers the
+    models' one), so its next write waits for the view's copy on the GPU, not on the host."""
+    from collections import Counter as _Counter
+    from engine.frames.accounting import Accounting
+    from engine.frames.ring import FrameRing
+    from engine.frames.storage import DeviceSlots
+    from tests.frames.test_device_slots import FakeCuda, FakeEvent, nv12
+
+    cuda, view_cuda, made = FakeCuda(), FakeCuda(), []
+    real_event = view_cuda.Event
+    view_cuda.Event = lambda **kw: made.append(real_event(**kw)) or made[-1]
+    hub = ViewHub(ViewConfig().model_copy(update={"fps": 1e9}), cuda=view_cuda)
+    try:
+        acct = Accounting("classify")
+        r = FrameRing("cam", live=True, accounting=acct, memory_bytes=8 * 8 * 3, min_slots=1, max_slots=1,
+                      max_frame_pixels=10**8, storage=DeviceSlots(torch.device("cpu"), cuda=cuda))
+        acct.add_holder("ring", lambda: _Counter({"cam": r.ready()}))
+        r.tap = lambda meta, px, **kw: hub.capture(meta, px, pool="classify", **kw)
+        hub.expect("cam", ["classify"])
+        hub.watch("cam", +1)
+        r.write(FrameMeta("cam", 0, 0.0, time.time()), nv12(5))
+        (ref,) = r.take_ready()
+        models = FakeEvent("models-read")
+        ref.release(seen=True, after=models)
+        r.write(FrameMeta("cam", 1, 0.0, time.time()), nv12(6))
+        waits = [e for op, e in cuda.streams[0].log if op == "wait"]
+        assert len(made) == 1 and waits[-1] is made[0]  # the rewrite waited for the view's copy, on the GPU
+        assert view_cuda.streams[0].log[-1] == ("wait", models)  # which itself came after the models' reads
+        assert models.synced == 0
+    finally:
+        hub.close()
 
 
 def test_a_frame_is_shown_only_with_the_results_of_the_same_seq(hub):

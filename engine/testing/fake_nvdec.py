@@ -16,7 +16,15 @@ DisplayDecodeLatencyType, VideoPacketFlag, the PyNvVCException* classes). Its de
   * it raises on chosen Decode calls (counted over all its decoders) and a decoder that raised keeps
     raising (so reusing it shows); CreateDecoder can be refused on chosen calls;
   * `reorder_delay` holds every frame back that many calls whatever the latency (B-frame reordering),
-    so a frame's packet must be found from the timestamp it echoes, not from the last packet.
+    so a frame's packet must be found from the timestamp it echoes, not from the last packet;
+  * H.264/HEVC: like NVIDIA's parser, a decoder drops the slices that come before it has seen the parameter
+    sets (SPS and PPS; HEVC also VPS): they give no frame, and are counted (`slices_without_params`); the
+    NAL unit types of every packet each decoder got are recorded (`FakeDecoder.nals`);
+  * `GetDecoderCaps(gpuid, codec, chromaformat, bitdepth)` answers with the dict PyNvVideoCodec 2.2.4 returns
+    (the keys of PyNvDecoder.cpp's PyNvDecoderCaps; the values are set per codec by `caps`, made up for the
+    tests, not a GPU's), and, as NVDEC's sequence callback does, `Decode` raises for a frame those caps
+    refuse ("Codec not supported on this GPU", "Resolution not supported on this GPU"): CreateDecoder
+    accepts any codec and size.
 
 Install: `monkeypatch.setattr(nvdec, "load_pynvvideocodec", lambda: fake)` and
 `monkeypatch.setattr(nvdec, "cuda_ops", fake.cuda)`.
@@ -69,6 +77,37 @@ class PyNvVCExceptionDecode(Exception):
 
 class PyNvVCExceptionUnsupported(Exception):
     pass
+
+
+class cudaVideoChromaFormat(enum.IntEnum):  # noqa: N801 - cuviddec.h values
+    Monochrome = 0
+    YUV420 = 1  # PyNvVideoCodec names it "420"
+    YUV422 = 2
+    YUV444 = 3
+
+
+#: what the fake's GetDecoderCaps answers unless `caps` says otherwise (made up: wide enough for the tests'
+#: clips, 32x32 included; a real GPU's minimum is larger)
+DEFAULT_CAPS = {"supported": 1, "num_decoder_engines": 7, "width_max": 4096, "height_max": 4096,
+                "mb_num_max": 65536, "width_min": 16, "height_min": 16}
+#: NAL unit types that are parameter sets / slices (H.264: 7 SPS, 8 PPS, 1-5 slices; HEVC: 32 VPS, 33 SPS,
+#: 34 PPS, 0-31 slices)
+_PARAMS = {"H264": {7, 8}, "HEVC": {32, 33, 34}}
+
+
+def nal_types(codec: "cudaVideoCodec", data: bytes) -> list[int]:
+    """The NAL unit types of an Annex-B H.264/HEVC buffer, in order (a start code never occurs inside a
+    NAL unit: emulation prevention)."""
+    out, i = [], data.find(b"\x00\x00\x01")
+    while 0 <= i < len(data) - 3:
+        header = data[i + 3]
+        out.append(header & 0x1F if codec == cudaVideoCodec.H264 else (header >> 1) & 0x3F)
+        i = data.find(b"\x00\x00\x01", i + 3)
+    return out
+
+
+def is_slice(codec: "cudaVideoCodec", nal: int) -> bool:
+    return 1 <= nal <= 5 if codec == cudaVideoCodec.H264 else nal <= 31
 
 
 class PacketData:
@@ -160,6 +199,10 @@ class FakeDecoder:
         self._surfaces: list[torch.Tensor] = []
         self.broken = False
         self.calls = 0
+        self.nals: list[list[int]] = []  # the NAL unit types of each packet (H.264/HEVC)
+        self._params: set[int] = set()   # the parameter set types seen so far
+        self._checked = False            # the "sequence callback" (the caps check) ran
+        self._pending = b""              # NAL units of packets without a slice (parameter sets sent alone)
 
     def Decode(self, pd: PacketData) -> list[FakeFrame]:  # noqa: N802 - PyNvVideoCodec's name
         owner = self.owner
@@ -175,14 +218,57 @@ class FakeDecoder:
         if pd.bsl:
             data = ctypes.string_at(pd.bsl_data, pd.bsl)
             owner.annexb.append(data.startswith((b"\x00\x00\x01", b"\x00\x00\x00\x01")))
+            if not self._has_params(data):
+                owner.slices_without_params += 1
+                owner.outputs_per_call.append(0)
+                return []  # NVIDIA's parser drops slices it has no parameter sets for: no frame, no error
+            if self.nals and not any(is_slice(self.codec, n) for n in self.nals[-1]):
+                # NVIDIA's parser takes parameter sets in a packet of their own; FFmpeg's decoder refuses a
+                # packet without a picture, so they go to it with the next one
+                self._pending += data
+                owner.outputs_per_call.append(0)
+                return []
+            data, self._pending = self._pending + data, b""
             packet = av.Packet(data)
             packet.pts = pd.pts
-            self._held += self._ctx.decode(packet)
+            got = self._ctx.decode(packet)
         else:
-            self._held += self._ctx.decode(None)
+            got = self._ctx.decode(None)
+        if got and not self._checked:
+            self._sequence_check(got[0])
+        self._held += got
         out, self._held = self._release(flush=not pd.bsl, end_of_picture=pd.decode_flag == VideoPacketFlag.ENDOFPICTURE)
         owner.outputs_per_call.append(len(out))
         return [self._to_surface(i, f) for i, f in enumerate(out)]
+
+    def _has_params(self, data: bytes) -> bool:
+        """Records the packet's NAL units; False when it holds a slice before the parameter sets."""
+        needed = _PARAMS.get(self.codec.name)
+        if needed is None:
+            return True
+        nals = nal_types(self.codec, data)
+        self.nals.append(nals)
+        for nal in nals:
+            if is_slice(self.codec, nal) and not needed <= self._params:
+                return False
+            self._params |= {nal} & needed
+        return True
+
+    def _sequence_check(self, frame: av.VideoFrame) -> None:
+        """What NvDecoder's sequence callback checks with cuvidGetDecoderCaps, in the first Decode that has a
+        picture (CreateDecoder has accepted anything); this decoder is broken after it raised."""
+        self._checked = True
+        caps = self.owner.caps_of(self.codec)
+        why = None
+        if not caps["supported"]:
+            why = "Codec not supported on this GPU"
+        elif frame.width > caps["width_max"] or frame.height > caps["height_max"]:
+            why = "Resolution not supported on this GPU"
+        elif frame.width < caps["width_min"] or frame.height < caps["height_min"]:
+            why = "Resolution not supported on this GPU"
+        if why:
+            self.broken = True
+            raise PyNvVCExceptionUnsupported(f"fake: {why}")
 
     def _release(self, *, flush: bool, end_of_picture: bool) -> tuple[list, list]:
         if flush:
@@ -206,6 +292,7 @@ class FakeNvdec:
     """The module-like fake (see the module docstring). Everything it saw is recorded on it."""
 
     cudaVideoCodec = cudaVideoCodec
+    cudaVideoChromaFormat = cudaVideoChromaFormat
     DisplayDecodeLatencyType = DisplayDecodeLatencyType
     VideoPacketFlag = VideoPacketFlag
     PacketData = PacketData
@@ -213,8 +300,12 @@ class FakeNvdec:
     PyNvVCExceptionUnsupported = PyNvVCExceptionUnsupported
 
     def __init__(self, cuda: Optional[FakeCuda] = None, *, fail_on_calls: tuple[int, ...] = (),
-                 refuse_creates: tuple[int, ...] = (), reorder_delay: int = 0):
+                 refuse_creates: tuple[int, ...] = (), reorder_delay: int = 0,
+                 caps: Optional[dict[str, dict]] = None):
         self.cuda = cuda or FakeCuda()
+        self.caps = caps or {}  # cudaVideoCodec name -> what differs from DEFAULT_CAPS
+        self.caps_calls: list[tuple[int, str, int, int]] = []  # (gpuid, codec, chromaformat, bitdepth) asked
+        self.slices_without_params = 0  # packets with a slice a decoder got before its parameter sets
         self.fail_on_calls, self.refuse_creates, self.reorder_delay = set(fail_on_calls), set(refuse_creates), reorder_delay
         self.decoders: list[FakeDecoder] = []
         self.creates = 0
@@ -225,6 +316,16 @@ class FakeNvdec:
         self.outputs_per_call: list[int] = []
         self.dlpack_streams: list[Optional[int]] = []    # the current stream at each frame's __dlpack__
         self.surfaces: list[torch.Tensor] = []           # every surface any decoder handed out
+
+    def caps_of(self, codec: cudaVideoCodec) -> dict:
+        return {**DEFAULT_CAPS, **self.caps.get(cudaVideoCodec(codec).name, {})}
+
+    def GetDecoderCaps(self, *, gpuid: int = 0, codec: cudaVideoCodec = cudaVideoCodec.H264,  # noqa: N802
+                       chromaformat: cudaVideoChromaFormat = cudaVideoChromaFormat.YUV420, bitdepth: int = 8) -> dict:
+        """PyNvVideoCodec 2.2.4's answer: a dict of ints (PyNvDecoder.cpp PyNvDecoderCaps)."""
+        self.caps_calls.append((gpuid, cudaVideoCodec(codec).name, int(chromaformat), bitdepth))
+        return {"codec_id": int(codec), "chromaformat_id": int(chromaformat), "bitdepth": bitdepth,
+                **self.caps_of(codec)}
 
     def CreateDecoder(self, *, gpuid: int = 0, codec: cudaVideoCodec, cudacontext: int = 0, cudastream: int = 0,  # noqa: N802
                       usedevicememory: bool = True, latency: DisplayDecodeLatencyType = DisplayDecodeLatencyType.NATIVE,
