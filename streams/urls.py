@@ -162,8 +162,11 @@ def _redact_bare(url: str) -> str:
     """redact_url for a whole string that is one URL, also when written without `//` (`http:u:p@host/x`,
     which FFmpeg reads with credentials too): used where a refused URL is echoed."""
     m = _FFMPEG_PROTOCOL.match(url)
-    if m is None or url[m.end():].startswith("//"):
+    if m is None:
         return redact_url(url)
+    # Every string FFmpeg would read as a protocol goes through the rule here, `//` or not: free text's URL
+    # pattern wants a scheme that starts with a letter, so `://u:p@h`, `2rtsp://u:p@h` or `.rtsp://u:p@h` (a
+    # pasted URL missing or mangling its scheme) were echoed whole, password included.
     start = m.end()
     while start < min(len(url), m.end() + 2) and url[start] == "/":  # `http:/host` reads like `http://host`
         start += 1

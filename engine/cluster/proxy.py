@@ -35,17 +35,20 @@ class ResultsProxy:
         self._xpub.setsockopt(zmq.SNDHWM, hwm)
         self._xpub.setsockopt(zmq.XPUB_NODROP, 1)
         self._xpub.setsockopt(zmq.LINGER, 0)
-        self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription reaches the engines (and marks its peer)
+        # every subscription and unsubscription reaches the engines, with the descriptor it came in on (delivery.py)
+        self._xpub.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._xpub.setsockopt(zmq.XPUB_VERBOSER, 1)
         self._xpub.setsockopt(zmq.IPV6, zmq_ipv6(endpoint))
         guard_socket(self._xpub)  # no ZMTP 1.0 peers, the handshake deadline
+        self._delivery = Delivery(self._xpub, f"results proxy {endpoint}")  # before bind: sees every subscriber
         try:
             self._xpub.bind(endpoint)
         except zmq.ZMQError as err:
+            self._delivery.close()
             self._xpub.close(0)
             raise ConfigError(f"cluster.publish.endpoint: cannot bind {endpoint!r}: {err} "
                               "(another vidar running? pick another port)") from None
         self.endpoint = self._xpub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._delivery = Delivery(self._xpub, f"results proxy {self.endpoint}")
         self._xsub = self._ctx.socket(zmq.XSUB)
         self._xsub.setsockopt(zmq.LINGER, 0)
         self._xsub.setsockopt(zmq.RCVHWM, hwm)

@@ -93,8 +93,9 @@ async def serve(engine, ctl, stop) -> None:
         frames = await asock.recv_multipart(copy=False)
         envelope, req, reply = check_message(ctl, frames)
         if reply is None:
-            ctl.pending = envelope
+            ctl.pending, t0 = envelope, time.monotonic()
             reply = await loop.run_in_executor(None, engine.control, req)
+            ctl.watch.defer(time.monotonic() - t0)  # requests queued meanwhile were not read: not their fault
         await _send(asock, envelope, reply)
         ctl.pending = None
 
@@ -136,7 +137,9 @@ def serve_blocking(ctl, handler: Callable[[object], dict], stop) -> None:
         frames = sock.recv_multipart(copy=False)
         envelope, req, reply = check_message(ctl, frames)
         if reply is None:
+            t0 = time.monotonic()
             reply = handler(req)
+            ctl.watch.defer(time.monotonic() - t0)
         try:
             sock.send_multipart([*envelope, encode_reply(reply)], zmq.NOBLOCK)
         except zmq.ZMQError:

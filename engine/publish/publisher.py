@@ -108,21 +108,26 @@ class Publisher:
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.SNDHWM, cfg.hwm)
         self._sock.setsockopt(zmq.XPUB_NODROP, 1)
-        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription message, to see subscriptions
+        # every subscription and unsubscription message, with the descriptor it came in on: the delivery knows
+        # which subscriber subscribed to what (delivery.py), and min_subscribers counts them
+        self._sock.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self._sock.setsockopt(zmq.XPUB_VERBOSER, 1)
         self._sock.setsockopt(zmq.LINGER, 500)
         self._sock.setsockopt(zmq.IPV6, zmq_ipv6(cfg.endpoint))
         guard_socket(self._sock, curve=curve)  # CURVE, no ZMTP 1.0 peers, the handshake deadline
+        # Subscribers are peers, not subscriptions (one subscriber may subscribe to many topics): the
+        # socket monitor reports each accepted connection and its end, by file descriptor (before bind: all)
+        self._delivery = Delivery(self._sock, f"publisher {cfg.endpoint}")
         try:
             self._sock.bind(cfg.endpoint)
         except zmq.ZMQError as err:
+            self._delivery.close()
             self._sock.close(0)
             from engine.errors import ConfigError
             raise ConfigError(f"publish.endpoint: cannot bind {cfg.endpoint!r}: {err} "
                               "(another vidar running? pick another port)") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        # Subscribers are peers, not subscriptions (one subscriber may subscribe to many topics): the
-        # socket monitor reports each accepted connection and its end, by file descriptor.
-        self._delivery = Delivery(self._sock, f"publisher {self.endpoint}")
+        self._delivery.name = f"publisher {self.endpoint}"
         self._peer_count = 0
         self.subscriptions = 0
         self._subscribed = threading.Condition()

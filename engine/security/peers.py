@@ -37,7 +37,8 @@ from zmq.utils.monitor import recv_monitor_message
 log = logging.getLogger("vidar.security")
 
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED
-_SIOCOUTQ = termios.TIOCOUTQ  # Linux: SIOCOUTQ == TIOCOUTQ (bytes not yet sent), for TCP and unix sockets
+_SIOCOUTQ = termios.TIOCOUTQ  # Linux: SIOCOUTQ == TIOCOUTQ: bytes queued (TCP: unsent and unacknowledged)
+_SIOCOUTQNSD = 0x894B         # Linux: TCP bytes not yet sent (a healthy distant peer has bytes in flight, unacked)
 
 
 @dataclass
@@ -56,10 +57,21 @@ def peer_address(fd: int) -> str:
     return _peer(fd)[0]
 
 
+def _dup(fd: int) -> socket.socket:
+    """A socket object on a duplicate of libzmq's descriptor (closing it never closes libzmq's). Raises OSError
+    (the duplicate closed) when the descriptor is gone or, reused meanwhile, is not a socket."""
+    d = os.dup(fd)
+    try:
+        return socket.socket(fileno=d)
+    except OSError:
+        os.close(d)
+        raise
+
+
 def _peer(fd: int) -> tuple[str, int]:
     """(remote address, SO_SNDBUF) of a connection, read on a duplicate of its descriptor."""
     try:
-        with socket.socket(fileno=os.dup(fd)) as s:
+        with _dup(fd) as s:
             addr = s.getpeername()
             sndbuf = s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     except OSError:
@@ -75,11 +87,15 @@ def _address(addr) -> str:
 
 
 def unsent_bytes(fd: int) -> int:
-    """Bytes queued in the kernel for this connection and not yet sent (0 when it cannot be read)."""
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, _SIOCOUTQ, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
+    """Bytes queued in the kernel for this connection and not yet sent (0 when it cannot be read): TCP's
+    not-yet-sent bytes (SIOCOUTQNSD: bytes in flight to a distant, reading peer do not count), or for a unix
+    socket (ipc://) what its peer has not read."""
+    for request in (_SIOCOUTQNSD, _SIOCOUTQ):
+        try:
+            return struct.unpack("i", fcntl.ioctl(fd, request, b"\0\0\0\0"))[0]
+        except OSError:  # SIOCOUTQNSD is TCP's only
+            continue
+    return 0
 
 
 class PeerWatch:
@@ -136,7 +152,7 @@ class PeerWatch:
                 self.peers.pop(peer.fd, None)
                 continue
             try:
-                with socket.socket(fileno=os.dup(peer.fd)) as s:
+                with _dup(peer.fd) as s:
                     s.shutdown(socket.SHUT_RDWR)  # libzmq sees the end and closes its descriptor itself
             except OSError:
                 pass
@@ -147,6 +163,13 @@ class PeerWatch:
             log.warning("%s: closed %d connection(s) that sent no valid request within %g s (%d so far)",
                         self.name, n, self.limit_s, self.closed_idle)
         return n
+
+    def defer(self, seconds: float) -> None:
+        """The server was busy for `seconds` (one request at a time): peers not yet validated get that time back,
+        since a request they sent meanwhile sits unread in the socket (closing them would lose its reply)."""
+        for peer in self.peers.values():
+            if not peer.valid:
+                peer.t_accepted += seconds
 
     def backlogged(self, min_bytes: int) -> list[Peer]:
         """Peers with at least `min_bytes` (or half their send buffer, when that is smaller) waiting unsent in

@@ -64,6 +64,7 @@ def bind_control_socket(endpoint: str, max_message_bytes: int, *, curve=None, ct
     import zmq
 
     sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
+    watch = PeerWatch(sock, f"control socket {endpoint}", ZMQ_HANDSHAKE_MS / 1e3)  # before bind: sees every peer
     guard_socket(sock, curve=curve)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # larger message parts are cut off by ZeroMQ itself
     sock.setsockopt(zmq.LINGER, 0)
@@ -71,9 +72,10 @@ def bind_control_socket(endpoint: str, max_message_bytes: int, *, curve=None, ct
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as err:
+        watch.close()
         sock.close(0)
         what = "control.enabled: false" if key == "control.endpoint" else "another port"
         raise ConfigError(f"{key}: cannot bind {endpoint!r}: {err} (another vidar running? pick another port, "
                           f"or {what})") from None
     log.info("control socket on %s", endpoint)
-    return ControlSocket(sock, endpoint, PeerWatch(sock, f"control socket {endpoint}", ZMQ_HANDSHAKE_MS / 1e3))
+    return ControlSocket(sock, endpoint, watch)

@@ -218,10 +218,13 @@ def test_a_subscriber_that_stops_reading_costs_only_itself(endpoint, caplog):
     got: dict[str, list[int]] = {}
     stop = threading.Event()
 
-    def read():
-        while not stop.is_set():
-            msg = good.recv(0.2)
-            if msg is not None and msg["type"] == "classify":
+    def read():  # until stopped and drained: the last results may still be in ZeroMQ's queues at the stop
+        while True:
+            msg = good.recv(0.5)
+            if msg is None:
+                if stop.is_set():
+                    return
+            elif msg["type"] == "classify":
                 got.setdefault(msg["stream"], []).append(msg["seq"])
     reader = threading.Thread(target=read)
     starter = threading.Thread(target=eng.start)  # waits for the good subscriber (min_subscribers)
@@ -325,3 +328,86 @@ def test_an_engine_that_dies_says_why_in_every_eos(endpoint, monkeypatch):
     finally:
         sub.close()
     assert eos is not None and eos["reason"].startswith("engine dead: control socket keeps crashing"), eos
+
+
+_COUNTING_SUB = """
+import json, sys, msgpack, zmq
+ctx = zmq.Context()
+s = ctx.socket(zmq.SUB)
+s.setsockopt(zmq.RCVHWM, 10)
+s.setsockopt(zmq.RCVBUF, 4096)
+s.connect(sys.argv[1])
+s.setsockopt(zmq.SUBSCRIBE, sys.argv[2].encode())
+print("ready", flush=True)
+seqs = []
+while True:
+    topic, payload = s.recv_multipart()
+    msg = msgpack.unpackb(payload)
+    if msg["stream"] != "off":
+        continue
+    if msg["type"] == "event" and msg["kind"] == "eos":
+        break
+    if msg["type"] == "classify":
+        seqs.append(msg["seq"])
+print(json.dumps(seqs), flush=True)
+"""
+
+
+def test_a_stalled_subscriber_misses_no_offline_result_and_a_live_only_one_holds_no_offline_stream(endpoint):
+    """A live and an offline stream; subscriber B takes everything, C only the live stream's results; both are
+    stopped (SIGSTOP) while the live stream fills their queues, so libzmq deactivates their pipes (a lossy send
+    skips an inactive pipe without a word: delivery.py). The offline stream waits for B (it is a subscriber of its
+    topic) and for nothing else: once B is resumed, B and the good subscriber A each have every offline result
+    exactly once, in order, while C, stopped to the end, never held it back."""
+    streams = [{"id": "live", "url": "synthetic://shapes?size=32x32&fps=250"},
+               {"id": "off", "url": "synthetic://shapes?size=32x32&fps=30&frames=400", "mode": "offline"}]
+    cfg = engine_config(streams, endpoint, budget={"latency_ms": 2000}, publish={"hwm": 200, "min_subscribers": 3})
+    ctx = zmq.Context()
+    ctx.setsockopt(zmq.SNDBUF, 16384)  # small kernel buffers: a stopped subscriber is full within a second
+    eng = Engine(cfg, models={"classify": [NoopRunner()]}, ctx=ctx)
+    a = Subscriber(endpoint, ["classify.", "event."])
+    got: dict[str, list[int]] = {}
+    stop = threading.Event()
+
+    def read():
+        while True:
+            msg = a.recv(0.5)
+            if msg is None:
+                if stop.is_set():
+                    return
+            elif msg["type"] == "classify":
+                got.setdefault(msg["stream"], []).append(msg["seq"])
+    subs = {name: subprocess.Popen([sys.executable, "-c", _COUNTING_SUB, endpoint, topic], stdout=subprocess.PIPE,
+                                   text=True) for name, topic in (("B", ""), ("C", "classify.live"))}
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert all(p.stdout.readline().strip() == "ready" for p in subs.values())
+        eng.start()  # waits for A, B and C (min_subscribers)
+        for p in subs.values():
+            os.kill(p.pid, signal.SIGSTOP)
+        off = eng.pools["classify"].acct
+        # the live stream fills B's and C's queues; the offline stream is held for B
+        assert wait_for(lambda: eng.publisher._delivery.suspect, 20)
+        time.sleep(1.5)
+        assert off.snapshot("off").published < 400, "the offline stream was not held for a stopped subscriber of it"
+        os.kill(subs["B"].pid, signal.SIGCONT)
+        out, _ = subs["B"].communicate(timeout=60)
+        assert wait_for(lambda: off.snapshot("off").published == 400, 30)  # C (live only) is still stopped
+        assert os.waitpid(subs["C"].pid, os.WNOHANG) == (0, 0)
+    finally:
+        eng.stop()
+        stop.set()
+        reader.join(10)
+        a.close()
+        for p in subs.values():
+            if p.poll() is None:
+                os.kill(p.pid, signal.SIGCONT)
+                p.kill()
+                p.communicate(timeout=10)
+        ctx.term()
+    import json
+    assert json.loads(out.strip().splitlines()[-1]) == list(range(400))  # B: every offline result, once, in order
+    assert got["off"] == list(range(400))
+    live = eng.pools["classify"].acct.snapshot("live")
+    assert got["live"] == sorted(set(got["live"])) and len(got["live"]) == live.published

@@ -24,7 +24,7 @@ from engine.control.control_socket import request
 from engine.core.engine import Engine
 from engine.errors import ConfigError
 from engine.models.noop import NoopRunner
-from engine.security.binds import MIN_TOKEN_BITS, token_bits
+from engine.security.binds import MIN_TOKEN_BITS, token_bits, token_problem
 from engine.view.server import ViewThread
 from tests.support.control import ControlServer, with_control
 from tests.support.engines import engine_config
@@ -37,6 +37,9 @@ VIDAR = [sys.executable, "-m", "engine.cli"]
 WEAK_TOKENS = ["correcthorsebatterystaple", "qwertyuiopasdfghjklzxcvbnm", "1qaz2wsx3edc4rfv5tgb",
                "vidar-view-token-0001", "view_token_production", "deadbeefdeadbeefcafebabecafebabe",
                "a1b2c3d4e5f6g7h8i9j0", "Summer2024!Winter2025!", "The secret vidar token"]
+# from the review of the fix: long tokens of words reach 64 bits by length alone; refused by their share
+LONG_WORD_TOKENS = ["Vidar_View_Token_2024!", "my-vidar-view-token-for-production-2024",
+                    "thequickbrownfoxjumpsoverthelazydog", "2024-01-01T00:00:00Z-vidar", "my-super-secret-view-token"]
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +171,7 @@ def test_a_stream_id_with_a_newline_is_refused_at_run_time_and_in_config(engine,
 
 
 # -- item 6: tokens -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("token", WEAK_TOKENS + ["x" * 15, "Short1!"])
+@pytest.mark.parametrize("token", WEAK_TOKENS + LONG_WORD_TOKENS + ["x" * 15, "Short1!"])
 @pytest.mark.parametrize("key", ["view", "metrics"])
 def test_a_weak_token_is_refused_and_never_echoed(token, key):
     tree = {"streams": [{"id": "a", "url": "synthetic://shapes"}], "view": {"enabled": False},
@@ -187,9 +190,13 @@ def test_random_tokens_pass_in_every_draw():
              "token_urlsafe(16)": lambda: base64.urlsafe_b64encode(rng.randbytes(16)).rstrip(b"=").decode(),
              "token_hex(16)": lambda: rng.randbytes(16).hex()}
     for name, make in draws.items():
-        lowest = min((token_bits(t), t) for t in (make() for _ in range(1000 if "12" in name else 300)))
+        tokens = [make() for _ in range(1000 if "12" in name else 300)]
+        lowest = min((token_bits(t), t) for t in tokens)
         assert lowest[0] >= MIN_TOKEN_BITS, (name, lowest)
+        refused = [t for t in tokens if token_problem(t) is not None]  # the share rule too
+        assert not refused, (name, refused[:3])
     assert max(token_bits(t) for t in WEAK_TOKENS) < MIN_TOKEN_BITS
+    assert all(token_bits(t) >= MIN_TOKEN_BITS and token_problem(t) for t in LONG_WORD_TOKENS)
     cfg, _ = build_config({"streams": [], "view": {"host": "0.0.0.0", "token": "auto"},
                            "metrics": {"host": "0.0.0.0", "token": "auto"}}, cuda_available=True)
     assert token_bits(cfg.view.token) >= MIN_TOKEN_BITS and cfg.metrics.token_generated

@@ -114,6 +114,18 @@ def test_a_refused_url_without_slashes_is_echoed_without_its_password():
     assert why.startswith("'rtsp:***@h/x' must be written rtsp://") and "SECRET" not in why and "a b" not in why
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("://admin:S3cret@h/x", "'://***@h/x'"),           # a pasted URL missing its scheme
+    ("2rtsp://admin:S3cret@h/x", "'2rtsp://***@h/x'"),  # a scheme that free text's URL pattern does not see
+    (".rtsp://admin:S3cret@h/x", "'.rtsp://***@h/x'"),
+])
+def test_a_refused_url_with_a_mangled_scheme_is_echoed_without_its_password(url, shown):
+    """From the review of issue 31: these were echoed whole in the refusal (config error, control reply, log)."""
+    from streams.urls import scheme_error
+    why = scheme_error(url)
+    assert shown in why and "S3cret" not in why
+
+
 # -- through a running engine ----------------------------------------------------------------------------
 class _ClipServer:
     """An HTTP server that answers every GET with one mp4 clip, whatever the path, query or credentials:

@@ -29,7 +29,7 @@ from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKEN = "t0ken-for-the-tests-0123"
+TOKEN = "Q7vX2mK9pL4wR8zT3nB6yF1c"
 
 
 # -- the hub alone: matching by seq ---------------------------------------------------------------

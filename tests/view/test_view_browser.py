@@ -33,7 +33,7 @@ from tests.support.net import free_port
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "engine" / "view" / "static"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-TOKEN = "browser-test-token-5f3a9c"
+TOKEN = "hJ4kW9qZ2xN7bV5cM8rT1gY6"
 DEADLINE_S = 90  # for anything that needs the engine (start-up, a model warm-up): machines differ 3x
 MISSING = [p for p in (CHROMIUM, CHROMEDRIVER) if not os.path.exists(p)]
 try:
