@@ -1,28 +1,53 @@
-"""The host side alone: frames/s from ingest through scheduling to publish, per CPU-second, and where it goes.
+"""The host side alone: frames/s from ingest through scheduling to publish, CPU per frame by role, the core's GIL.
 
 The engine runs in-process with the null pool (`models.noop`, `per_frame_s: 0`: no model, no pixels read) on
 synthetic sources; a subscriber (engine.publish.client.Subscriber) drains every result in its own process (its
 msgpack/ZeroMQ work is not the engine's, as in a deployment) and checks that each stream's seqs increase. Over
 a timed window after a warm-up: frames/s offered, ingested, published, dropped by reason (the pool's ledger),
-the engine process's CPU seconds per second (user+sys), the same per thread group (psutil's per-thread times by
-thread name: ingest, core, workers, output, publisher, native), frames published per CPU-second ("per core":
-load distorts it less than frames/s), the null pool's mean batch, and the machine's load beside each number.
+CPU seconds per second of the whole engine (its process plus every ingest process it started), frames published
+per CPU-second ("per core": load distorts it less than frames/s), the null pool's mean batch, the machine's load.
+
+CPU per published frame by role (issue 33 item 9), from psutil: in the engine process by thread name (ingest =
+the `source-*` threads, core = `engine-core`, workers, output, publisher, native = unnamed threads, i.e.
+ZeroMQ's I/O threads, ingest_io = the core's side of the ingest processes, main, other); with ingest processes,
+`ingest` is the CPU of every process below the engine (psutil children, recursive) summed, less the
+subscriber, multiprocessing's resource tracker and forkserver (`aux`). Each process's share is in the JSON.
+
+The crossing (issue 33's "ingest to the core's scheduler"): the scheduler's `add` is wrapped in the engine
+process; each frame's `time.monotonic()` there minus its write stamp (`FrameMeta.t_written` where the tree has
+one, set by the ingest process when the slot write ends; else `t_decoded`, the ring write, which is the same
+moment with ingest threads). CLOCK_MONOTONIC is system-wide, so the two processes' stamps compare.
+
+Modes (`--modes threads,processes`): each engine scenario runs with `ingest.processes: 0` (ingest threads in
+the engine process) and with `--processes` (default `auto`), alternated (pass 1 threads first, pass 2
+processes first), so before and after come from one run on one machine. A tree without the `ingest` config key
+runs threads only and says it skipped the rest.
+
+`--gil`: after the timing passes, one more run of each target scenario per mode with py-spy attached to the
+engine (core) process for the window: `py-spy record --gil --format raw --threads --nonblocking` emits a
+stack only for the thread holding the GIL at a sample (py-spy reads CPython 3.11's
+`_PyRuntime.gilstate.tstate_current`, NULL while nobody holds it), so the GIL share is the samples written
+/ the sampling intervals (rate x seconds, less py-spy's errors); checked against a thread that spins half
+its time (0.46 measured against 0.49 of a core). Kept out of the timing rows: py-spy's own CPU (in each
+record) competes for the same 2 cores, so those rows' throughput is lower.
 
 Scenarios, each in its own subprocess with a time box; all of them run, then all again (`--repeats`):
   raw      the synthetic source alone (render), + the ring's copy into one slot, + the copy with 8 streams'
            working set: the engine's overhead per frame is its CPU per frame minus the last
-  live     8 and 48 streams of 1280x720 @ 60 and of 320x240 @ 60; budget 5 s and the ladder off, so the
-           null pool never drops for deadline: what is measured is the host
+  live     8 -> 16 -> 32 -> 48 -> 64 x 320x240 @ 60 (the no-collapse curve), 8 and 48 x 1280x720 @ 60,
+           16 x 320x180 @ 250 (small frames at a high rate); budget 5 s and the ladder off, so the null pool
+           never drops for deadline: what is measured is the host
   offline  4 endless synthetic streams in offline mode (no pacing, back-pressure): frames/s at full speed
-The JSON is rewritten after every scenario (a hang loses only the scenario it hit).
+The JSON is rewritten after every scenario (a hang loses only the scenario it hit); its `comparison` holds the
+per-scenario medians side by side, `targets` issue 33's targets per mode and `curve` the no-collapse check.
 
 `--profile`: py-spy on 48 x 320x240, 8 and 48 x 1280x720 (all @ 60), twice each: `gil` (the GIL holder's lines,
 in us per frame) and `idle` (every thread's wall time, waits included: where the core waits); in
 `bench_host_profile.json`.
 
-    python benchmarks/bench_host.py            # ~3 min on 2 cores; benchmarks/results/bench_host.json
-    python benchmarks/bench_host.py --quick    # ~50 s, one run each, short windows
-    python benchmarks/bench_host.py --profile  # needs py-spy (pip install py-spy)
+    python benchmarks/bench_host.py --modes threads,processes --gil   # ~10 min on 2 cores
+    python benchmarks/bench_host.py --quick --modes threads            # ~1 min, one run each, short windows
+    python benchmarks/bench_host.py --profile  # needs py-spy (scripts/install-bench-deps.sh installs it)
 Another checkout: run this file with that checkout first on PYTHONPATH (the JSON says which `engine` ran).
 """
 
@@ -34,11 +59,14 @@ import json
 import math
 import os
 import platform
+import resource
 import select
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -50,12 +78,26 @@ ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("engine") is None:  # not on PYTHONPATH: this file's own checkout
     sys.path.insert(0, str(ROOT))
 
-SIZES = {"720p": (1280, 720), "240p": (320, 240)}
+SIZES = {"720p": (1280, 720), "240p": (320, 240), "180p": (320, 180)}
 RAW_VARIANTS = (("render", 1, False), ("render_copy", 1, True), ("render_copy_x8", 8, True))
 PROFILED = [("live", 48, "240p"), ("live", 8, "720p"), ("live", 48, "720p")]
 SPY_MODES = {"gil": ["--gil"], "idle": ["--idle"]}
+MODES = ("threads", "processes")
+CURVE = (8, 16, 32, 48, 64)  # streams of 240p60: published/s must not fall along it
+SMALL = (16, "180p", 250)  # small frames at a high rate: 4,000/s offered, the issue's budget for this machine
 GROUPS = (("source-", "ingest"), ("engine-core", "core"), ("worker-", "workers"), ("output-", "output"),
-          ("publisher", "publisher"), ("MainThread", "main"))
+          ("publisher", "publisher"), ("ingest", "ingest_io"), ("MainThread", "main"))
+ROLES = ("ingest", "ingest_io", "core", "workers", "output", "publisher", "native", "main", "other", "aux")
+# Issue 33's targets on this machine: (what, row key, comparison, bound)
+TARGETS = {
+    "live 48x240p@60": [(">= 2,600 published/s of 2,880", "published_fps", ">=", 2600),
+                        ("published/ingested >= 0.97", "published_over_ingested", ">=", 0.97),
+                        ("crossing p99 <= 2 ms", "crossing_p99_ms", "<=", 2.0)],
+    "live 48x720p@60": [("published/ingested >= 0.95", "published_over_ingested", ">=", 0.95),
+                        (">= 1,000 published/s", "published_fps", ">=", 1000)],
+    f"live {SMALL[0]}x{SMALL[1]}@{SMALL[2]}": [("published/offered >= 0.9", "published_over_offered", ">=", 0.9)],
+}
+COLLAPSE_TOLERANCE = 0.03  # "falls": below the best earlier count by more than this (run-to-run noise here)
 
 
 def thread_group(name: Optional[str]) -> str:
@@ -63,8 +105,23 @@ def thread_group(name: Optional[str]) -> str:
     return "native" if name is None else next((g for prefix, g in GROUPS if name.startswith(prefix)), "other")
 
 
+def process_role(cmdline: str, parent_is_engine: bool) -> str:
+    """A process below the engine: multiprocessing's helpers (`aux`: the resource tracker; the forkserver,
+    which is the engine's child, whereas the ingest processes it forks carry its command line one level
+    lower) or an ingest process."""
+    if "resource_tracker" in cmdline or ("forkserver" in cmdline and parent_is_engine):
+        return "aux"
+    return "ingest"
+
+
 def now_utc() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def ingest_key_supported() -> bool:
+    """Whether this tree's config has issue 33's `ingest` section (`ingest.processes`)."""
+    from engine.config import EngineConfig
+    return "ingest" in EngineConfig.model_fields
 
 
 # -- the subscriber (its own process) ---------------------------------------------------------------
@@ -82,10 +139,13 @@ class _Tally:
 
     def report(self) -> str:
         lat, self.lat = sorted(self.lat), []
-        pct = {q: lat[min(len(lat) - 1, int(len(lat) * q / 100))] if lat else math.nan for q in (50, 99)}
         t = os.times()
-        return json.dumps({"received": self.received, "disorder": self.disorder, "p50_ms": pct[50],
-                           "p99_ms": pct[99], "cpu_s": t.user + t.system})
+        return json.dumps({"received": self.received, "disorder": self.disorder, "p50_ms": pct(lat, 50),
+                           "p99_ms": pct(lat, 99), "cpu_s": t.user + t.system})
+
+
+def pct(sorted_values: list[float], q: float) -> float:
+    return sorted_values[min(len(sorted_values) - 1, int(len(sorted_values) * q / 100))] if sorted_values else math.nan
 
 
 def subscriber_main(endpoint: str) -> None:
@@ -130,16 +190,74 @@ def engine_tree(sc: dict, endpoint: str) -> dict:
     mode = "live" if sc["kind"] == "live" else "offline"
     streams = [{"id": f"s{i}", "url": f"synthetic://shapes?size={w}x{h}&fps={sc['fps']}&seed={i}", "mode": mode}
                for i in range(sc["streams"])]
-    return {"streams": streams, "max_streams": max(64, sc["streams"]),
+    tree = {"streams": streams, "max_streams": max(64, sc["streams"]),
             "models": {"noop": {"per_frame_s": 0, "max_batch": sc["max_batch"], "workers": 1}},
             # 5 s: a frame the host delivers up to a second late (the pacer's catch-up bound) still meets it
             "budget": {"latency_ms": 5000}, "qos": {"ladder": False}, "shutdown_timeout_s": 3,
             "publish": {"endpoint": endpoint, "hwm": 100000, "min_subscribers": 1, "wait_subscribers_s": 20},
             "metrics": {"enabled": False}, "control": {"enabled": False}}
+    if sc.get("ingest") is not None:  # absent on trees before issue 33 (threads are all they have)
+        tree["ingest"] = {"processes": sc["ingest"]}
+    return tree
+
+
+class CrossingProbe:
+    """The time from a frame's write (by an ingest thread or process) to the core's scheduler taking it:
+    the pool scheduler's `add` is wrapped (two monotonic reads and appends per frame on the core thread,
+    about a microsecond), recording only while `on`. The write stamp: `t_written` (FrameMeta's field or
+    `extra` key, set by the ingest process when its slot copy ends) where the tree has one, else `t_decoded`
+    (the ring write: the same moment with ingest threads; with processes, the core's commit of the
+    descriptor, so the socket hop is left out: a lower bound). `since_capture` (live only) is from the
+    capture stamp (a paced source's due time) instead: the same crossing plus the ingest's own wake-up
+    lateness and copy, an upper bound in both modes. A write stamp of 0 (not set) is counted apart."""
+
+    def __init__(self, pool) -> None:
+        self.on, self.values, self.since_capture, self.unstamped, self.stamp = False, [], [], 0, None
+        add = pool.scheduler.add
+
+        def probed(fv, *args, **kwargs):
+            if self.on:
+                now, meta = time.monotonic(), fv.meta
+                t_written = getattr(meta, "t_written", None) or meta.extra.get("t_written")
+                if t_written is not None and not math.isfinite(t_written):  # written in the engine process
+                    t_written = None
+                stamp = t_written or meta.t_decoded
+                self.stamp = self.stamp or ("t_written" if t_written else "t_decoded")
+                if stamp:
+                    self.values.append(now - stamp)
+                else:
+                    self.unstamped += 1
+                if math.isfinite(meta.t_capture_mono) and meta.live:
+                    self.since_capture.append(now - meta.t_capture_mono)
+            return add(fv, *args, **kwargs)
+        pool.scheduler.add = probed
+
+    def stats(self) -> dict:
+        v, c = sorted(self.values), sorted(self.since_capture)
+        out = {f"crossing_p{q}_ms": round(pct(v, q) * 1e3, 3) for q in (50, 99)}
+        out.update({f"capture_to_scheduler_p{q}_ms": round(pct(c, q) * 1e3, 3) for q in (50, 99)})
+        return {**out, "crossing_max_ms": round(v[-1] * 1e3, 3) if v else math.nan, "crossing_frames": len(v),
+                "crossing_unstamped": self.unstamped, "crossing_from": self.stamp}
+
+
+def descendants(skip: set[int]) -> dict[int, dict]:
+    """Every process below this one (ingest processes, multiprocessing's helpers) but `skip`: role, CPU s."""
+    import psutil
+    me, out = os.getpid(), {}
+    for p in psutil.Process().children(recursive=True):
+        if p.pid in skip:
+            continue
+        try:
+            with p.oneshot():
+                t, cmd, ppid = p.cpu_times(), " ".join(p.cmdline()), p.ppid()
+        except psutil.Error:  # exited between the listing and the read: its CPU is lost (counted apart)
+            continue
+        out[p.pid] = {"role": process_role(cmd, ppid == me), "cpu_s": t.user + t.system, "cmd": cmd[:160]}
+    return out
 
 
 def sample(eng, sub: SubscriberProcess) -> dict:
-    """Every counter at one moment: the ledger, CPU (process, per thread group, machine), the subscriber."""
+    """Every counter at one moment: the ledger, CPU (process, per thread group, child processes, machine)."""
     import psutil
     acct, t0 = eng.pools["noop"].acct, time.monotonic()
     snaps = [acct.snapshot(s) for s in acct.streams()]  # under 48 busy streams this alone can take ~1 s
@@ -150,6 +268,7 @@ def sample(eng, sub: SubscriberProcess) -> dict:
     sizes = [m.batch_sizes for m in eng.pools["noop"].slots.models]  # NoopRunner's record of its batches
     t, cpu = os.times(), psutil.cpu_times()
     return {"t": time.monotonic(), "sample_s": time.monotonic() - t0, "cpu_s": t.user + t.system, "groups": groups,
+            "procs": descendants({sub.proc.pid}),
             "ingested": sum(s.ingested for s in snaps), "published": sum(s.published for s in snaps),
             "dropped": sum((Counter(s.dropped) for s in snaps), Counter()),
             "failed": sum((Counter(s.failed) for s in snaps), Counter()),
@@ -157,25 +276,50 @@ def sample(eng, sub: SubscriberProcess) -> dict:
             "machine_busy_s": sum(cpu) - cpu.idle - cpu.iowait, "load1": os.getloadavg()[0], "sub": sub.mark()}
 
 
+def process_cpu(a: dict, b: dict) -> tuple[Counter, list[dict]]:
+    """CPU s in the window by process role: a process started in it counts from 0; one that ended in it
+    is lost (listed with `exited`)."""
+    by_role: Counter = Counter()
+    listed = []
+    for pid, p in b.items():
+        used = p["cpu_s"] - a.get(pid, {}).get("cpu_s", 0.0)
+        by_role[p["role"]] += used
+        listed.append({"pid": pid, "role": p["role"], "cpu_s": round(used, 3), "cmd": p["cmd"]})
+    listed += [{"pid": pid, "role": p["role"], "exited": True} for pid, p in a.items() if pid not in b]
+    return by_role, listed
+
+
 def window_stats(a: dict, b: dict, sc: dict) -> dict:
-    dt, cpu = b["t"] - a["t"], b["cpu_s"] - a["cpu_s"]
+    dt, own_cpu = b["t"] - a["t"], b["cpu_s"] - a["cpu_s"]
     ing, pub = b["ingested"] - a["ingested"], b["published"] - a["published"]
+    proc_cpu, procs = process_cpu(a["procs"], b["procs"])
+    roles = {g: b["groups"][g] - a["groups"][g] for g in b["groups"]}  # not Counter +: it drops zeros
+    for role, used in proc_cpu.items():
+        roles[role] = roles.get(role, 0.0) + used
+    cpu = own_cpu + sum(v for r, v in proc_cpu.items() if r == "ingest")  # the whole engine, aux helpers aside
     sub_cpu = b["sub"]["cpu_s"] - a["sub"]["cpu_s"]
     busy = (b["machine_busy_s"] - a["machine_busy_s"]) / dt
     per_frame = {g: round((b["groups"][g] - a["groups"][g]) / ing * 1e6, 1) if ing else None
                  for g in sorted(b["groups"])}
+    offered = sc["streams"] * sc["fps"] if sc["kind"] == "live" else None
     return {
-        "window_s": round(dt, 2), "sample_s": round(b["sample_s"], 2),
-        "offered_fps": sc["streams"] * sc["fps"] if sc["kind"] == "live" else None,
+        "window_s": round(dt, 2), "sample_s": round(b["sample_s"], 2), "offered_fps": offered,
         "ingested_fps": ing / dt, "published_fps": pub / dt,
+        "published_over_ingested": pub / ing if ing else None,
+        "published_over_offered": pub / dt / offered if offered else None,
         "received_fps": (b["sub"]["received"] - a["sub"]["received"]) / dt,
         "dropped_fps": {k: v / dt for k, v in (b["dropped"] - a["dropped"]).items()},
         "failed": dict(b["failed"] - a["failed"]), "batches_per_s": (b["batches"] - a["batches"]) / dt,
         "mean_batch": (b["batched"] - a["batched"]) / max(1, b["batches"] - a["batches"]),
-        "cpu_cores": cpu / dt, "published_per_cpu_s": pub / cpu if cpu else None,
+        "cpu_cores": cpu / dt, "core_process_cores": own_cpu / dt, "published_per_cpu_s": pub / cpu if cpu else None,
         "cpu_us_per_ingested": cpu / ing * 1e6 if ing else None,
+        "cpu_us_per_published": cpu / pub * 1e6 if pub else None,
         "thread_cpu_cores": {g: round((b["groups"][g] - a["groups"][g]) / dt, 3) for g in sorted(b["groups"])},
         "thread_cpu_us_per_ingested": per_frame,
+        "role_cpu_cores": {r: round(roles[r] / dt, 3) for r in ROLES if r in roles},
+        "role_cpu_us_per_published": {r: round(roles[r] / pub * 1e6, 1) if pub else None
+                                      for r in ROLES if r in roles},
+        "processes": procs,
         "latency_p50_ms": b["sub"]["p50_ms"], "latency_p99_ms": b["sub"]["p99_ms"],
         "subscriber_cpu_cores": sub_cpu / dt, "load1": [round(a["load1"], 2), round(b["load1"], 2)],
         "machine_busy_cores": round(busy, 2), "others_busy_cores": round(busy - (cpu + sub_cpu) / dt, 2)}
@@ -197,24 +341,43 @@ def run_engine(sc: dict) -> dict:
     t0 = time.monotonic()
     try:
         eng.start()
+        probe = CrossingProbe(eng.pools["noop"])
         t_started = time.monotonic()
+        first_frames_s = wait_first_frames(eng, sc["streams"], sc.get("first_frames_timeout_s", 30.0))
         time.sleep(sc["warmup_s"])
+        probe.on = True
         a = sample(eng, sub)
         if sc.get("signal"):
             print("WARM", flush=True)  # the parent attaches the profiler now
         time.sleep(sc["window_s"])
         b = sample(eng, sub)
+        probe.on = False
     finally:
         t_stop = time.monotonic()
         eng.stop(drain=False)
         final = sub.stop()
-    out = {**window_stats(a, b, sc), "start_s": round(t_started - t0, 2), "stop_s": round(time.monotonic() - t_stop, 2),
+    out = {**window_stats(a, b, sc), **probe.stats(), "start_s": round(t_started - t0, 2),
+           "first_frames_s": first_frames_s,
+           "stop_s": round(time.monotonic() - t_stop, 2),
            "audit": eng.audit(),  # a leaked or double-counted frame shows here
            "order_errors": final["disorder"]}
     # the subscriber's count is its own (not the ledger's): what was counted published arrived, in order
     out["verified"] = (not out["audit"] and not out["order_errors"]
                        and out["received_fps"] >= 0.8 * out["published_fps"] - 5)
     return out
+
+
+def wait_first_frames(eng, streams: int, timeout_s: float) -> Optional[float]:
+    """Seconds until every stream has a frame in the ledger (None: not within `timeout_s`), so the warm-up
+    starts when frames flow: ingest processes take a while to start (forkserver, `av` preloaded), threads
+    do not, and a fixed warm-up would give the two modes different amounts of it."""
+    acct, t0 = eng.pools["noop"].acct, time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        names = acct.streams()
+        if len(names) >= streams and all(acct.snapshot(s).ingested for s in names):
+            return round(time.monotonic() - t0, 2)
+        time.sleep(0.1)
+    return None
 
 
 def raw_rate(size: str, sources: int, copy: bool, window_s: float) -> dict:
@@ -254,12 +417,18 @@ def run_raw(sc: dict) -> dict:
 
 
 # -- the parent: scenarios in subprocesses -----------------------------------------------------------
-def scenarios(args) -> list[dict]:
+def scenarios(args) -> tuple[list[dict], list[dict]]:
+    """(raw scenarios, engine scenarios without a mode). --quick: the target scenarios and the curve's ends."""
     base = {"warmup_s": args.warmup, "window_s": args.window, "max_batch": args.max_batch, "fps": 60}
-    out = [{**base, "kind": "raw", "streams": 1, "size": s, "warmup_s": 0, "window_s": args.window / 3} for s in SIZES]
-    out += [{**base, "kind": "live", "streams": n, "size": s} for s in SIZES for n in (8, 48)]
-    out += [{**base, "kind": "offline", "streams": 4, "size": s} for s in SIZES]
-    return [sc for sc in out if not args.only or args.only in name_of(sc)]
+    curve = (CURVE[0], 48) if args.quick else CURVE
+    live = [(n, "240p", 60) for n in curve] + [(8, "720p", 60)] * (not args.quick) + [(48, "720p", 60), SMALL]
+    offline = ("240p",) if args.quick else ("720p", "240p")
+    raw = [{**base, "kind": "raw", "streams": 1, "size": s, "warmup_s": 0, "window_s": args.window / 3}
+           for s in (("240p",) if args.quick else ("720p", "240p"))]
+    engine = [{**base, "kind": "live", "streams": n, "size": s, "fps": fps} for n, s, fps in live]
+    engine += [{**base, "kind": "offline", "streams": 4, "size": s} for s in offline]
+    keep = lambda sc: not args.only or args.only in name_of(sc)  # noqa: E731
+    return [sc for sc in raw if keep(sc)], [sc for sc in engine if keep(sc)]
 
 
 def name_of(sc: dict) -> str:
@@ -268,22 +437,78 @@ def name_of(sc: dict) -> str:
     return f"{sc['kind']} {sc['streams']}x{sc['size']}" + (f"@{sc['fps']}" if sc["kind"] == "live" else "")
 
 
+def with_mode(sc: dict, mode: str, processes: Any, key: bool) -> dict:
+    """The scenario in `mode`; `key`: the tree has `ingest.processes` (0 = ingest threads in the engine)."""
+    return {**sc, "mode": mode, "ingest": (0 if mode == "threads" else processes) if key else None}
+
+
 def result_of(stdout: str) -> Optional[dict]:
     line = next((ln for ln in reversed(stdout.splitlines()) if ln.startswith("RESULT ")), None)
     return json.loads(line[len("RESULT "):]) if line else None
 
 
-def run_child(sc: dict, timeout_s: float) -> dict:
-    t0 = time.monotonic()
-    try:
-        p = subprocess.run([sys.executable, __file__, "--child", json.dumps(sc)], capture_output=True, text=True,
-                           timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+def run_child(sc: dict, timeout_s: float, spy: Optional[dict] = None) -> dict:
+    """One scenario in a subprocess, killed past `timeout_s`. `spy` (path, rate, mode, exe): py-spy records
+    the engine process once it is warm, for the window less a second (the shutdown is not sampled)."""
+    t0, expired, spied = time.monotonic(), threading.Event(), None
+    with tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps({**sc, "signal": bool(spy)})],
+                             stdout=subprocess.PIPE, stderr=err, text=True)
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), p.kill()))
+        timer.start()
+        try:
+            lines = []
+            for line in p.stdout:
+                lines.append(line)
+                if spy and line.strip() == "WARM":
+                    spied = attach_spy(p.pid, max(1, int(sc["window_s"]) - 1), **spy)
+            p.wait()
+        finally:
+            timer.cancel()
+        err.seek(0)
+        stderr = err.read()
+    if expired.is_set():
         return {"error": f"timed out after {timeout_s:.0f} s"}
-    res = result_of(p.stdout)
+    res = result_of("".join(lines))
     if p.returncode != 0 or res is None:
-        return {"error": f"exit {p.returncode}", "stderr_tail": p.stderr[-1500:]}
-    return {**res, "child_wall_s": round(time.monotonic() - t0, 1)}
+        return {"error": f"exit {p.returncode}", "stderr_tail": stderr[-1500:]}
+    return {**res, "child_wall_s": round(time.monotonic() - t0, 1), **({"spy": spied} if spy else {})}
+
+
+def attach_spy(pid: int, seconds: int, *, path: str, rate: int, mode: str, exe: str) -> dict:
+    """py-spy on `pid` for `seconds`; its CPU (this process's reaped children's, across its run) is kept:
+    on 2 cores it competes with what it measures."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = subprocess.run([exe, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", str(rate),
+                          "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "-o", path,
+                          *SPY_MODES[mode]], capture_output=True, text=True)
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    errors = next((int(w.split()[-1]) for w in run.stdout.splitlines() if "Errors:" in w), 0)
+    return {"path": path, "seconds": seconds, "rate_hz": rate, "mode": mode, "rc": run.returncode,
+            "errors": errors, "cpu_s": round(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, 3),
+            "behind": [ln.strip() for ln in run.stdout.splitlines() if "behind" in ln][-3:],
+            "stderr_tail": run.stderr[-300:]}
+
+
+def gil_share(text: str, rate: int, seconds: int, errors: int = 0) -> float:
+    """Samples with a GIL holder / sampling intervals, from `py-spy record --gil --format raw` output."""
+    held = sum(int(line.rpartition(" ")[2]) for line in text.splitlines() if line.rpartition(" ")[0])
+    return held / max(1, rate * seconds - errors)
+
+
+def gil_record(res: dict) -> dict:
+    """A GIL run's summary: the share, GIL us per published frame by role, py-spy's own CPU."""
+    spy = res.get("spy") or {}
+    path = Path(spy.get("path", "/nonexistent"))
+    if "error" in res or spy.get("rc") != 0 or not path.exists():
+        return {"error": res.get("error") or f"py-spy exit {spy.get('rc')}: {spy.get('stderr_tail', '')}"}
+    text, s = path.read_text(), spy["seconds"]
+    prof = summarize_profile(text, "gil", spy["rate_hz"], s, res["published_fps"] * s)
+    path.unlink()
+    return {"gil_held_share": round(gil_share(text, spy["rate_hz"], s, spy["errors"]), 3),
+            "gil_us_per_published": prof["by_group"], "top_self": prof["top_self"][:10],
+            "spy_cpu_cores": round(spy["cpu_s"] / s, 3), "rate_hz": spy["rate_hz"], "seconds": s,
+            "errors": spy["errors"], "behind": spy["behind"]}
 
 
 def engine_info() -> dict:
@@ -293,49 +518,182 @@ def engine_info() -> dict:
     git = ["git", "-C", str(here)]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run([*git, "status", "--porcelain", "engine", "streams"], capture_output=True, text=True).stdout
+    cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("model name")), None) if Path("/proc/cpuinfo").exists() else None
     return {"engine_file": engine.__file__, "commit": commit or None, "engine_or_streams_modified": bool(dirty.strip()),
             "torch": torch.__version__, "python": platform.python_version(), "machine": platform.platform(),
-            "cpus": os.cpu_count()}
+            "cpus": os.cpu_count(), "cpu_model": cpu_model}
+
+
+def spy_exe() -> Optional[str]:
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return exe if Path(exe).exists() else None
 
 
 def main_bench(args) -> None:
-    record = {"date": now_utc(), **engine_info(), "args": vars(args), "rows": [], "complete": False}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        raise SystemExit(f"--modes: a comma-separated list of {MODES}, got {args.modes!r}")
+    key = ingest_key_supported()
+    record = {"date": now_utc(), **engine_info(), "args": vars(args), "modes": modes, "skipped_modes": {},
+              "rows": [], "complete": False}
+    if "processes" in modes and not key:
+        record["skipped_modes"]["processes"] = "this tree's config has no `ingest` key (issue 33 not in it)"
+        modes.remove("processes")
+        print("processes mode: not in this tree (engine/config.py has no `ingest` key): skipped", flush=True)
+    spy = spy_exe() if args.gil else None
+    if args.gil and spy is None:
+        raise SystemExit("bench_host --gil needs py-spy: bash scripts/install-bench-deps.sh (or pip install py-spy)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    raw_scs, engine_scs = scenarios(args)
     print(HEADER)
     raw: dict[str, dict] = {}
     for rep in range(args.repeats):  # all scenarios, then all again: the runs of one see different moments
-        for sc in scenarios(args):
-            res = run_child(sc, sc["warmup_s"] + sc["window_s"] + args.box)
-            if sc["kind"] == "raw" and "error" not in res:
-                raw[sc["size"]] = res
-            elif res.get("cpu_us_per_ingested") and sc["size"] in raw:
-                # what the engine spends per frame beyond the source and its copy alone (this pass's raw row)
-                ref = raw[sc["size"]]["render_copy_x8"]["cpu_us_per_frame"]
-                res["overhead_us_per_frame"] = res["cpu_us_per_ingested"] - ref
-                res["source_share_of_cpu"] = ref / res["cpu_us_per_ingested"]
-            record["rows"].append({"scenario": name_of(sc), "run": rep + 1, "spec": sc, **res})
-            print_row(record["rows"][-1])
-            out.write_text(json.dumps(record, indent=2, default=str))
+        for sc in raw_scs:
+            res = run_child(sc, sc["window_s"] * len(RAW_VARIANTS) + args.box)
+            raw[sc["size"]] = res if "error" not in res else raw.get(sc["size"], {})
+            add_row(record, out, {"scenario": name_of(sc), "mode": "-", "run": rep + 1, "pass": "timing",
+                                  "spec": sc, **res})
+        for sc in engine_scs:
+            for mode in (modes if rep % 2 == 0 else modes[::-1]):  # alternated: neither mode always goes first
+                msc = with_mode(sc, mode, args.processes, key)
+                res = run_child(msc, sc["warmup_s"] + sc["window_s"] + args.box)
+                add_overhead(res, raw.get(sc["size"]))
+                add_row(record, out, {"scenario": name_of(sc), "mode": mode, "run": rep + 1, "pass": "timing",
+                                      "spec": msc, **res})
+    if spy:
+        gil_pass(args, record, out, engine_scs, modes, key, spy)
+    summarize(record)
     record["complete"] = True
     out.write_text(json.dumps(record, indent=2, default=str))
-    print(f"\nengine: {record['engine_file']} (commit {record['commit']}); {record['cpus']} CPUs\n{HEADER}")
-    order = {name: i for i, name in enumerate(dict.fromkeys(r["scenario"] for r in record["rows"]))}
-    for r in sorted(record["rows"], key=lambda r: (order[r["scenario"]], r["run"])):
-        print_row(r)
+    print_report(record)
     print(f"\nwrote {out}")
 
 
+def gil_pass(args, record: dict, out: Path, engine_scs: list[dict], modes: list[str], key: bool, spy: str) -> None:
+    """One more run of each target scenario per mode, py-spy --gil on the engine process for its window."""
+    for sc in (s for s in engine_scs if name_of(s) in TARGETS):
+        for mode in modes:
+            msc = with_mode({**sc, "window_s": max(sc["window_s"], 3.0)}, mode, args.processes, key)
+            path = f"/tmp/bench_host_gil_{os.getpid()}_{sc['streams']}x{sc['size']}_{mode}.txt"
+            res = run_child(msc, msc["warmup_s"] + msc["window_s"] + args.box,
+                            spy={"path": path, "rate": args.rate, "mode": "gil", "exe": spy})
+            res["gil"] = gil_record(res)
+            res.pop("spy", None)
+            add_row(record, out, {"scenario": name_of(sc), "mode": mode, "run": 1, "pass": "gil", "spec": msc, **res})
+
+
+def add_overhead(res: dict, raw: Optional[dict]) -> None:
+    """What the engine spends per frame beyond the source and its copy alone (this pass's raw row)."""
+    if res.get("cpu_us_per_ingested") and raw and "render_copy_x8" in raw:
+        ref = raw["render_copy_x8"]["cpu_us_per_frame"]
+        res["overhead_us_per_frame"] = res["cpu_us_per_ingested"] - ref
+        res["source_share_of_cpu"] = ref / res["cpu_us_per_ingested"]
+
+
+def add_row(record: dict, out: Path, row: dict) -> None:
+    record["rows"].append(row)
+    print_row(row)
+    out.write_text(json.dumps(record, indent=2, default=str))
+
+
+# -- before / after: medians, targets, the curve -----------------------------------------------------
+def med(rows: list[dict], key: str) -> Optional[float]:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(record: dict) -> None:
+    """`comparison` (medians per scenario and mode, processes / threads), `targets`, `curve`."""
+    timing = [r for r in record["rows"] if r["pass"] == "timing" and r["mode"] != "-" and "error" not in r]
+    gil = {(r["scenario"], r["mode"]): r["gil"] for r in record["rows"] if r["pass"] == "gil" and "gil" in r}
+    keys = ("published_fps", "ingested_fps", "published_over_ingested", "published_over_offered", "cpu_cores",
+            "cpu_us_per_published", "crossing_p50_ms", "crossing_p99_ms", "capture_to_scheduler_p99_ms",
+            "latency_p99_ms")
+    comparison: dict[str, dict] = {}
+    for name in dict.fromkeys(r["scenario"] for r in timing):
+        entry: dict[str, Any] = {}
+        for mode in dict.fromkeys(r["mode"] for r in timing if r["scenario"] == name):
+            rows = [r for r in timing if r["scenario"] == name and r["mode"] == mode]
+            roles = {role: med([r["role_cpu_us_per_published"] for r in rows], role)
+                     for role in ROLES if any(role in r["role_cpu_us_per_published"] for r in rows)}
+            g = gil.get((name, mode), {})
+            entry[mode] = {"runs": len(rows), **{k: med(rows, k) for k in keys},
+                           "published_fps_runs": [round(r["published_fps"]) for r in rows],
+                           "role_cpu_us_per_published": roles, "gil_held_share": g.get("gil_held_share"),
+                           "crossing_from": sorted({str(r.get("crossing_from")) for r in rows}),
+                           "verified": all(r["verified"] for r in rows)}
+        if "threads" in entry and "processes" in entry and entry["threads"]["published_fps"]:
+            entry["published_ratio"] = entry["processes"]["published_fps"] / entry["threads"]["published_fps"]
+        comparison[name] = entry
+    record["comparison"] = comparison
+    record["targets"] = targets(timing)
+    record["curve"] = curve(comparison)
+
+
+def targets(timing: list[dict]) -> list[dict]:
+    """Each target per mode: met when every run meets it (the worst run is shown beside the median). The
+    crossing in processes mode without an ingest-side write stamp (`crossing_from` t_decoded: the core's
+    commit) is only a lower bound: met if the upper bound (capture -> scheduler) meets it, not met if the
+    lower bound misses, undetermined (None) between."""
+    out = []
+    for name, checks in TARGETS.items():
+        for mode in dict.fromkeys(r["mode"] for r in timing if r["scenario"] == name):
+            rows = [r for r in timing if r["scenario"] == name and r["mode"] == mode]
+            for what, key, op, bound in checks:
+                met, worst = meets(rows, key, op, bound)
+                entry = {"scenario": name, "mode": mode, "target": what, "key": key, "median": med(rows, key),
+                         "worst": worst, "runs": len(rows), "met": met}
+                if key == "crossing_p99_ms" and mode == "processes" and any(
+                        r.get("crossing_from") != "t_written" for r in rows):
+                    upper_met, upper = meets(rows, "capture_to_scheduler_p99_ms", op, bound)
+                    entry.update(met=True if upper_met else (False if not met else None), bound="lower",
+                                 upper_worst=upper)
+                out.append(entry)
+    return out
+
+
+def meets(rows: list[dict], key: str, op: str, bound: float) -> tuple[bool, Optional[float]]:
+    """(every row meets `key op bound`, the worst row's value)."""
+    vals = [r.get(key) for r in rows]
+    vals = [v if v is not None and not math.isnan(v) else None for v in vals]
+    ok = [v is not None and (v >= bound if op == ">=" else v <= bound) for v in vals]
+    worst = min(vals, key=lambda v: -math.inf if v is None else (v if op == ">=" else -v), default=None)
+    return bool(ok) and all(ok), worst
+
+
+def curve(comparison: dict) -> dict:
+    """Published/s (median) per stream count of 240p60, per mode; `no_collapse`: no count publishes less than
+    the best earlier one by more than COLLAPSE_TOLERANCE."""
+    out = {}
+    for mode in MODES:
+        points = [(n, comparison.get(f"live {n}x240p@60", {}).get(mode, {}).get("published_fps")) for n in CURVE]
+        points = [(n, v) for n, v in points if v is not None]
+        if len(points) < 2:
+            continue
+        best, falls = 0.0, []
+        for n, v in points:
+            if v < best * (1 - COLLAPSE_TOLERANCE):
+                falls.append(n)
+            best = max(best, v)
+        out[mode] = {"published_fps": {n: round(v) for n, v in points}, "falls_at": falls, "no_collapse": not falls,
+                     "tolerance": COLLAPSE_TOLERANCE}
+    return out
+
+
+# -- printing ------------------------------------------------------------------------------------------
 def fmt(x: Any, spec: str = ".0f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-HEADER = (f"{'scenario':<18}{'#':>2}{'offer/s':>8}{'ingest/s':>9}{'publ/s':>8}{'cores':>6}{'publ/cpu-s':>11}"
-          f"{'us/frame':>9}{'ovh':>6}{'batch':>6}{'p50ms':>7}{'load1':>6}{'others':>7}  dropped/s")
+HEADER = (f"{'scenario':<18}{'mode':<10}{'#':>2}{'offer/s':>8}{'ingest/s':>9}{'publ/s':>8}{'cores':>6}"
+          f"{'publ/cpu-s':>11}{'us/frame':>9}{'ovh':>6}{'batch':>6}{'p50ms':>7}{'load1':>6}{'others':>7}  dropped/s")
+ROLE_COLS = ("ingest", "ingest_io", "core", "workers", "output", "publisher", "native", "other")
 
 
 def print_row(r: dict) -> None:
-    head = f"{r['scenario']:<18}{r['run']:>2}"
+    head = f"{r['scenario']:<18}{r['mode']:<10}{r['run']:>2}"
     if "error" in r:
         print(f"{head}  ERROR {r['error']}", flush=True)
     elif r["spec"]["kind"] == "raw":
@@ -347,11 +705,45 @@ def print_row(r: dict) -> None:
     else:
         drops = " ".join(f"{k}={v:.3g}" for k, v in sorted(r["dropped_fps"].items())) or "0"
         drops += "" if r["verified"] else "  NOT VERIFIED (audit, order or received: see the JSON)"
+        gil = f"  GIL {r['gil'].get('gil_held_share', r['gil'].get('error'))}" if "gil" in r else ""
         print(f"{head}{fmt(r['offered_fps']):>8}{r['ingested_fps']:>9.0f}{r['published_fps']:>8.0f}"
               f"{r['cpu_cores']:>6.2f}"
               f"{fmt(r['published_per_cpu_s']):>11}{fmt(r['cpu_us_per_ingested']):>9}"
               f"{fmt(r.get('overhead_us_per_frame')):>6}{r['mean_batch']:>6.1f}{fmt(r['latency_p50_ms'], '.1f'):>7}"
-              f"{r['load1'][0]:>6.2f}{r['others_busy_cores']:>7.2f}  {drops}", flush=True)
+              f"{r['load1'][0]:>6.2f}{r['others_busy_cores']:>7.2f}  {drops}{gil}", flush=True)
+
+
+def print_report(record: dict) -> None:
+    print(f"\nengine: {record['engine_file']} (commit {record['commit']}); {record['cpus']} CPUs "
+          f"({record['cpu_model']}); skipped: {record['skipped_modes'] or 'nothing'}")
+    print("\nmedians per scenario and mode; CPU us per published frame by role; x = crossing, ingest write -> "
+          "scheduler (* the core's commit stamp: a lower bound); cap = capture -> scheduler (an upper bound);\n"
+          "GIL = the engine process's GIL-held share (--gil runs); P/T = published/s, processes / threads")
+    print(f"{'scenario':<18}{'mode':<10}{'n':>2}{'publ/s':>8}{'pub/ing':>8}{'cpu us':>7}"
+          + "".join(f"{c[:9]:>10}" for c in ROLE_COLS)
+          + f"{'x p50ms':>8}{'x p99ms':>9}{'cap p99':>8}{'GIL':>6}{'P/T':>6}")
+    for name, entry in record["comparison"].items():
+        for mode in MODES:
+            e = entry.get(mode)
+            if not e:
+                continue
+            roles = e["role_cpu_us_per_published"]
+            ratio = fmt(entry.get("published_ratio"), ".2f") if mode == "processes" else ""
+            star = "*" if mode == "processes" and e["crossing_from"] != ["t_written"] else " "
+            print(f"{name:<18}{mode:<10}{e['runs']:>2}{fmt(e['published_fps']):>8}"
+                  f"{fmt(e['published_over_ingested'], '.3f'):>8}{fmt(e['cpu_us_per_published']):>7}"
+                  + "".join(f"{fmt(roles.get(c)):>10}" for c in ROLE_COLS)
+                  + f"{fmt(e['crossing_p50_ms'], '.2f'):>8}{fmt(e['crossing_p99_ms'], '.2f'):>8}{star}"
+                  f"{fmt(e['capture_to_scheduler_p99_ms'], '.2f'):>8}{fmt(e['gil_held_share'], '.2f'):>6}{ratio:>6}")
+    print("\nissue 33's targets (met: every run)")
+    for t in record["targets"]:
+        verdict = {True: "MET", False: "not met", None: "undetermined"}[t["met"]]
+        bound = f"  (a lower bound; capture -> scheduler worst {fmt(t['upper_worst'], '.3g')})" if "bound" in t else ""
+        print(f"  {t['scenario']:<18}{t['mode']:<10}{t['target']:<34}median {fmt(t['median'], '.3g'):>7}  "
+              f"worst {fmt(t['worst'], '.3g'):>7}  {verdict}{bound}")
+    for mode, c in record["curve"].items():
+        print(f"  no collapse, {mode:<9} published/s {c['published_fps']}: "
+              f"{'MET' if c['no_collapse'] else 'falls at ' + str(c['falls_at'])}")
 
 
 # -- profile: py-spy on a running scenario --------------------------------------------------------
@@ -361,26 +753,15 @@ def profile_one(sc: dict, spy: str, rate: int, mode: str) -> dict:
     every thread, waiting ones too (where each spends its wall time, as a share of it: a thread that waits
     for a lock shows there). py-spy's default (active threads) is not used: on an oversubscribed machine it
     counts runnable threads waiting for a core or the GIL as busy."""
-    p = subprocess.Popen([sys.executable, __file__, "--child", json.dumps({**sc, "signal": True})],
-                         stdout=subprocess.PIPE, text=True)
-    for line in p.stdout:  # until the warm-up has ended
-        if line.strip() == "WARM":
-            break
-    raw = Path(f"/tmp/bench_host_spy_{os.getpid()}_{sc['streams']}x{sc['size']}_{mode}.txt")
-    spy_s = max(1, int(sc["window_s"]) - 1)  # ends before the window does: the shutdown is not sampled
-    spy_run = subprocess.run([spy, "record", "--pid", str(p.pid), "--duration", str(spy_s), "--rate",
-                              str(rate), "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "-o",
-                              str(raw), *SPY_MODES[mode]], capture_output=True, text=True)
-    try:
-        rest, _ = p.communicate(timeout=sc["window_s"] + 60)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        rest = ""
-    res = result_of(rest)
-    if res is None or not raw.exists():
-        return {"scenario": name_of(sc), "mode": mode, "error": f"exit {p.returncode}; py-spy: {spy_run.stderr[-300:]}"}
-    return {"scenario": name_of(sc), "mode": mode, "rate_hz": rate, "window": res, "collapsed_stacks": str(raw),
-            **summarize_profile(raw.read_text(), mode, rate, spy_s, res["ingested_fps"] * spy_s)}
+    path = f"/tmp/bench_host_spy_{os.getpid()}_{sc['streams']}x{sc['size']}_{mode}.txt"
+    res = run_child(sc, sc["warmup_s"] + sc["window_s"] + 60, spy={"path": path, "rate": rate, "mode": mode,
+                                                                 "exe": spy})
+    spied = res.pop("spy", None) or {}
+    if "error" in res or not Path(path).exists():
+        return {"scenario": name_of(sc), "mode": mode, "error": f"{res.get('error')}; py-spy: {spied}"}
+    s = spied["seconds"]
+    return {"scenario": name_of(sc), "mode": mode, "rate_hz": rate, "window": res, "collapsed_stacks": path,
+            **summarize_profile(Path(path).read_text(), mode, rate, s, res["ingested_fps"] * s)}
 
 
 def short(frame: str) -> str:
@@ -404,7 +785,7 @@ def where(frames: list[str]) -> str:
 
 def summarize_profile(text: str, mode: str, rate: int, seconds: int, frames: float) -> dict:
     """Self samples (the line at the top of the stack) and inclusive ones (a function anywhere on it), by
-    thread group. gil: us per ingested frame; idle: share of the group's samples."""
+    thread group. gil: us per frame (of `frames`); idle: share of the group's samples."""
     self_s, incl, group_s = Counter(), Counter(), Counter()
     for line in text.splitlines():
         stack, _, count = line.rpartition(" ")
@@ -426,14 +807,15 @@ def summarize_profile(text: str, mode: str, rate: int, seconds: int, frames: flo
            "top_self": [{"group": g, "where": fr, unit: scale(g, n)} for (g, fr), n in self_s.most_common(40)],
            "top_inclusive": [{"group": g, "where": fr, unit: scale(g, n)} for (g, fr), n in incl.most_common(60)]}
     if mode == "gil":
-        out["gil_held_share"] = round(sum(group_s.values()) / (rate * seconds), 3)
+        out["gil_held_share"] = round(gil_share(text, rate, seconds), 3)
     return out
 
 
 def main_profile(args) -> None:
-    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(spy).exists():
-        raise SystemExit("bench_host --profile needs py-spy: pip install py-spy")
+    spy = spy_exe()
+    if spy is None:
+        raise SystemExit("bench_host --profile needs py-spy: bash scripts/install-bench-deps.sh "
+                         "(or pip install py-spy)")
     base = {"warmup_s": args.warmup, "window_s": max(args.window, 10.0), "max_batch": args.max_batch, "fps": 60}
     record = {"date": now_utc(), **engine_info(), "profiles": []}
     out = Path(args.out).with_name(Path(args.out).stem + "_profile.json")
@@ -454,13 +836,19 @@ def main_profile(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one run each, short windows (~50 s)")
+    ap.add_argument("--quick", action="store_true", help="one run each, short windows, fewer scenarios (~1 min)")
     ap.add_argument("--profile", action="store_true", help="py-spy profiles instead of the timing matrix")
+    ap.add_argument("--modes", default="threads,processes",
+                    help="ingest modes to run each engine scenario in, alternated: threads (ingest.processes: 0), "
+                         "processes (ingest.processes: --processes); default both (processes skipped where absent)")
+    ap.add_argument("--processes", default="auto", help="ingest.processes in the processes mode (default auto)")
+    ap.add_argument("--gil", action="store_true",
+                    help="then one run of each target scenario per mode with py-spy --gil: the engine's GIL share")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the scenarios (default 2; --quick 1)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds before the window (default 2; --quick 1)")
     ap.add_argument("--window", type=float, default=5.0, help="timed window, s (default 5; --quick 1.5; --profile 10)")
     ap.add_argument("--max-batch", type=int, default=8, help="the null pool's max_batch (default 8, as gpu_check)")
-    ap.add_argument("--rate", type=int, default=250, help="--profile: samples per second (default 250)")
+    ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second (default 250)")
     ap.add_argument("--box", type=float, default=60.0, help="seconds a scenario may take beyond warm-up + window")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_host.json"))
     ap.add_argument("--only", default="", help="run only the scenarios whose name contains this, e.g. 'live 48x'")
@@ -473,6 +861,9 @@ def main() -> None:
         sc = json.loads(args.child)
         return print("RESULT " + json.dumps(run_raw(sc) if sc["kind"] == "raw" else run_engine(sc), default=str),
                      flush=True)
+    if args.processes != "auto" and not (args.processes.isdigit() and int(args.processes) > 0):
+        raise SystemExit(f"--processes: 'auto' or a positive count, got {args.processes!r}")
+    args.processes = args.processes if args.processes == "auto" else int(args.processes)
     if args.quick:
         args.repeats, args.warmup, args.window = 1, 1.0, 1.5
     (main_profile if args.profile else main_bench)(args)

@@ -18,6 +18,10 @@ crash loses only that part; the whole run stays under ~9 minutes. Parts:
   live        the engine, N live 720p60 H.264 streams (looped), ViT-L at 17 ms: goodput, p50/p99, drops
               by reason, for N = 1, 8, 16, 32, 48
   offline     8 file streams offline through the engine against the bare graph model at batch 64
+  ingest_gpu  issue 33 item 8, NOT RUN ON A GPU YET (benchmarks/gpu_ingest.py): 6 ingest processes x 8 NVDEC
+              720p60 streams writing into core-owned CUDA IPC slots while the core replays ViT-L's graph:
+              goodput and p99 at 17 ms, each CUDA context's memory. Not in the default run (it would push the call
+              past 10 minutes): `python3 benchmarks/gpu_check.py --only ingest_gpu` in a call of its own
   sam2        SAM 2 against Meta's predictor (benchmarks/gpu_sam2.py): not in the default run, which fits one
               device call; run it in a second call: `python3 benchmarks/gpu_check.py --only sam2`
 The dry run exercises the same code on the CPU with a tiny model, a small clip and small counts: it
@@ -260,6 +264,11 @@ def part_probe() -> None:  # in a module of its own: seven questions, ~300 lines
     run(emit, dry=DRY)
 
 
+def part_ingest_gpu() -> None:  # in a module of its own: processes, CUDA IPC slots and the core loop, ~250 lines
+    from benchmarks.gpu_ingest import part_ingest_gpu as run
+    run(emit, clip=clip(), dry=DRY)
+
+
 def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engine runs are ~150 lines
     from benchmarks.gpu_sam2 import part_sam2 as run
     run(emit, clip=clip(), dry=DRY)
@@ -270,7 +279,7 @@ def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engi
 # own (`--only sam2`: its records are written as they come, so a part cut off at its box keeps what it measured)
 PARTS = {"probe": (part_probe, 85), "tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
          "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
-         "sam2": (part_sam2, 540)}
+         "sam2": (part_sam2, 540), "ingest_gpu": (part_ingest_gpu, 100)}
 DEFAULT_PARTS = ["probe", "tests", "vit", "nvdec", "preprocess", "live", "offline"]
 
 

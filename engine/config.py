@@ -361,6 +361,46 @@ class SourceConfig(_Strict):
     """Where video is decoded, for streams that do not say (`streams[].decode`): auto | cpu | cuda."""
 
 
+class IngestConfig(_Strict):
+    processes: Union[int, Literal["auto"]] = 0
+    """Where streams are decoded: 0 = one thread per stream in the engine process (the default for now: under
+    descriptor exhaustion libzmq's ipc listener aborts the engine process, see docs/concepts.md); N = up to
+    N ingest processes, streams spread over them (least loaded first); `auto` = up to max(1, usable cores - 1)
+    processes, a new one started only when every running one holds `streams_per_process` streams (so
+    min(ceil(streams / streams_per_process), max(1, cores - 1))); the start log says the rule. Frames cross by
+    reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. Streams that may decode with NVDEC
+    (decode auto/cuda on a CUDA machine) and streams feeding several pools stay threads in the engine process."""
+    streams_per_process: int = Field(8, ge=1, le=256)
+    """The most streams `auto` puts in one ingest process before starting another (a stated cap, not a hard one:
+    beyond the process limit streams go to the least loaded process)."""
+    start_timeout_s: float = Field(20.0, gt=0)
+    """An ingest process that has not said it is ready within this long is killed and its streams placed again."""
+    heartbeat_s: float = Field(0.25, gt=0, le=10)
+    """How often an ingest process reports that it is alive, with its streams' states."""
+    hang_after_s: float = Field(3.0, gt=0, le=600)
+    """An ingest process whose heartbeat stopped for this long (stuck, or stopped) is killed and restarted."""
+    max_restarts: int = Field(5, ge=0, le=1000)
+    """A stream whose process dies more than this many times within restart_window_s is moved to a process of its
+    own; if that one too dies more than this many times within the window, the stream fails alone with the
+    reason (an `error` event and its eos)."""
+    restart_window_s: float = Field(60.0, gt=0)
+    """Window of max_restarts."""
+
+    @field_validator("processes")
+    @classmethod
+    def _non_negative(cls, v):
+        if v != "auto" and v < 0:
+            raise ValueError(f"must be `auto` or an integer >= 0 (0: threads in the engine process), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _beats(self) -> "IngestConfig":
+        if self.hang_after_s < 2 * self.heartbeat_s:
+            raise ValueError(f"hang_after_s={self.hang_after_s:g} must be at least twice heartbeat_s="
+                             f"{self.heartbeat_s:g}: a process would be killed between two heartbeats")
+        return self
+
+
 class FaultsConfig(_Strict):
     max_failures: int = Field(3, ge=1)
     """This many failed or hung batches in one pool within window_s -> engine dead (exit code 3)."""
@@ -558,6 +598,9 @@ class EngineConfig(_Strict):
     """Per-stream frame rings."""
     source: SourceConfig = Field(default_factory=SourceConfig)
     """Timeouts and reconnect policy of sources."""
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+    """Where streams are decoded: threads in the engine process (0, the default for now), or ingest processes
+    (`auto`, what the demo runs)."""
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     """Prometheus endpoint."""
     faults: FaultsConfig = Field(default_factory=FaultsConfig)

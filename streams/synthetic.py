@@ -1,5 +1,8 @@
 """synthetic://shapes?size=640x360&fps=30&frames=N&seed=0: a built-in moving test pattern.
 
+`fps=auto` (the CPU demo): the engine chooses the rate when the stream is added, from its pools' measured
+speed (engine/core/auto_rate.py), so that a newcomer's first stream is one the machine keeps up with.
+
 Deterministic (same seed, same pixels for frame n), textured (so a resize or a colour bug
 shows), and cheap: a background is rendered once and shapes are pasted by slicing.
 `frames` makes the stream finite (tests); without it the stream runs for ever (demo).
@@ -20,6 +23,7 @@ from streams.base import DecodedFrame, Source
 from streams.urls import redact_url
 
 _PATTERNS = ("shapes",)
+AUTO_FPS = "auto"
 
 
 def _parse(stream_id: str, url: str) -> dict:
@@ -50,7 +54,9 @@ def _parse(stream_id: str, url: str) -> dict:
         if not (16 <= w <= 8192 and 16 <= h <= 8192):
             raise bad("size", "each side from 16 to 8192 pixels")
     fps = 30.0
-    if "fps" in q:
+    if q.get("fps") == AUTO_FPS:
+        fps = AUTO_FPS  # chosen by the engine when the stream is added (engine/core/auto_rate.py)
+    elif "fps" in q:
         try:
             fps = float(q["fps"])
         except ValueError:
@@ -90,6 +96,10 @@ class SyntheticSource(Source):
     def __init__(self, stream_id: str, url: str):
         super().__init__(stream_id, url)
         p = _parse(stream_id, url)
+        if p["fps"] == AUTO_FPS:
+            raise SourceOpenError(stream_id, "synthetic parameter fps='auto' is chosen by the engine when the stream "
+                                             "is added (from its pools' measured speed); give a number to use the source "
+                                             "on its own")
         self.w, self.h, self.fps, self._n, self.seed = p["w"], p["h"], p["fps"], p["frames"], p["seed"]
         self._bg: Optional[np.ndarray] = None
         rng = np.random.default_rng(self.seed + 1)

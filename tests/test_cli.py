@@ -156,7 +156,13 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
         (r.stdout[-2000:], r.stderr[-2000:])
     lines = [json.loads(x) for x in (tmp_path / "gpu_check_dry.jsonl").read_text().splitlines()]
     done = {x["name"]: x["rc"] for x in lines if x["part"] == "part_done"}
-    assert done == {"probe": 0, "tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0, "sam2": 0}
+    assert done == {"probe": 0, "tests": 0, "vit": 0, "nvdec": 0, "preprocess": 0, "live": 0, "offline": 0, "sam2": 0,
+                    "ingest_gpu": 0}
+    # issue 33 item 8 (CUDA IPC slots, not run on a GPU): threads and the fake CUDA; every offered frame is counted
+    # once, no event is made per frame (3 per slot: 2 x 2 streams x 4 slots), and no GPU figure is claimed
+    ing = next(x for x in lines if x["part"] == "ingest_gpu")
+    assert ing["done"] > 0 and ing["offered"] >= ing["done"] + ing["shed_at_source"] + ing["superseded"], ing
+    assert ing["events_created"] == 3 * 2 * 2 * 4 and ing["contexts"].startswith("no GPU"), ing
     assert lines[1]["part"] == "probe"  # first: the open questions (issue 32 item 7)
     probe = {x["question"]: x for x in lines if x["part"] == "probe"}
     assert set(probe) == {"setup", "caps", "params", "oversize", "event_wait", "syncs_classify", "syncs_sam2",

@@ -55,6 +55,7 @@ class Engine:
         self.curve = None  # CURVE authenticator, when security.curve is on
         self.control_socket = None  # bound at start when control.enabled (served by the runtime)
         self.view = None  # the live view's hub when view.enabled (its web server runs in the runtime)
+        self.ingest = None  # engine/ingest/client.IngestHub when ingest.processes != 0
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,9 +121,13 @@ class Engine:
             if not self.publisher.wait_subscribers(cfg.publish.min_subscribers, cfg.publish.wait_subscribers_s):
                 raise EngineDeadError(f"publish.min_subscribers={cfg.publish.min_subscribers}: no subscriber "
                                       f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
+        if cfg.ingest.processes != 0:
+            self._start_ingest(cores)
         self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view,
-                                 keep_ended=self._keep_ended)
+                                 keep_ended=self._keep_ended, ingest_hub=self.ingest)
         supervised = [self.publisher.health] + ([self.view.health] if self.view is not None else [])
+        if self.ingest is not None:
+            supervised.append(self.ingest.health)
         self.core = EngineCore(self.pools, self.table, shutdown_timeout_s=cfg.shutdown_timeout_s,
                                supervised=supervised)
         for pool in self.pools.values():
@@ -138,6 +143,17 @@ class Engine:
             reply = self.control(req)
             if not reply["ok"]:
                 raise ConfigError(f"objects: {reply['error']}")
+
+    def _start_ingest(self, cores: int) -> None:
+        """Ingest processes (engine/ingest): their slots live in /dev/shm, which must hold ring.total_memory_mb
+        (a container's default 64 MB would end in SIGBUS in a writer, not an error: checked here, exit 2)."""
+        from engine.frames.budget import total_memory_bytes
+        from engine.ingest.client import IngestHub
+        from engine.ingest.slots import shm_shortfall
+        why = shm_shortfall(total_memory_bytes(self.cfg.ring.total_memory_mb))
+        if why:
+            raise ConfigError(why)
+        self.ingest = IngestHub(self.cfg, emit=self._emit, cores=cores)
 
     def _wake(self) -> None:
         if self.core is not None:
@@ -202,6 +218,8 @@ class Engine:
             out["slow_subscribers"] = len(self.publisher.slow_subscribers())
         if self.control_socket is not None:
             out["control_malformed"] = self.control_socket.malformed
+        if self.ingest is not None:
+            out["ingest"] = self.ingest.counters()
         if self.table is not None:
             out["decoder_threads_stuck"] = self.table.stuck_decoders
             out["streams_forgotten"] = dict(self.table.forgotten)
@@ -260,6 +278,8 @@ class Engine:
         for entry in self.table.snapshot() if self.table else []:
             if entry.ingest and not entry.ingest.join(max(0.1, t_end - time.monotonic())):
                 log.warning("stream %s: decoder thread did not stop in time (blocked in a read?)", entry.id)
+        if self.ingest is not None:
+            self.ingest.close(timeout=max(1.0, t_end - time.monotonic()))
         if self.publisher:
             self.publisher.close(timeout=max(1.0, t_end - time.monotonic()))
         if self.metrics:

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from engine.core import auto_rate
 from streams import open_source, redact_url
 from engine.frames.ingest import IngestThread
 
@@ -43,6 +44,7 @@ from engine.frames.budget import FrameMemoryBudget, total_memory_bytes
 from engine.executor.pool import Pool
 from engine.publish.publisher import Publisher
 from engine.frames.ring import FrameRing
+from engine.frames.storage import SharedHostSlots
 from engine.util.threads import settle
 
 log = logging.getLogger("vidar.engine")
@@ -82,8 +84,10 @@ class StreamEntry:
 class StreamTable:
     def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
                  emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None,
-                 keep_ended: bool = False):
+                 keep_ended: bool = False, ingest_hub=None):
         self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
+        self._hub = ingest_hub  # engine/ingest/client.IngestHub when ingest.processes != 0, else None (threads)
+        self._told_threads: set[str] = set()  # why some streams stay threads, logged once per reason
         self._view = view  # the live view's hub, or None
         self._entries: dict[str, StreamEntry] = {}
         self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
@@ -143,6 +147,12 @@ class StreamTable:
             settle(fut, exc=ControlError(f"add_stream: stream.pools: {unknown} not configured; "
                                            f"configured: {sorted(self._pools)}"))
             return fut
+        # identity, not equality: an add_stream request builds a new StreamConfig even for the same values
+        kept = any(s is scfg for s in self.cfg.streams)
+        url, why = auto_rate.resolve(scfg.url, self._pools, pools, self._streams_per_pool())
+        if why is not None:  # synthetic fps=auto: the rate its pools keep up with, said at start
+            log.info("stream %s: synthetic fps=auto -> %s", scfg.id, why)
+            scfg = scfg.model_copy(update={"url": url})
         if old is not None:  # the same id is still being removed: start once its eos is out
             self._deferred.append((scfg, fut))
             return fut
@@ -175,24 +185,33 @@ class StreamTable:
                                          f"{redact_url(f'{type(err).__name__}: {err}')}"))
             return fut
         try:
-            # identity, not equality: an add_stream request builds a new StreamConfig even for the same values
-            self._start(scfg, pools, source, kept=any(s is scfg for s in self.cfg.streams))
+            self._start(scfg, pools, source, kept=kept)
         except SourceError as err:  # its frames would not fit the frame memory, or its start failed (undone)
             settle(fut, exc=ControlError(f"add_stream: {err.reason}"))
             return fut
         settle(fut, scfg.id)
         return fut
 
+    def _streams_per_pool(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._entries.values():
+            if e.state == "running":
+                for name in e.pools:
+                    out[name] = out.get(name, 0) + 1
+        return out
+
     def _start(self, scfg: StreamConfig, pools: list[str], source, kept: bool = False) -> None:
         entry = StreamEntry(scfg, pools, kept=kept)
         live = scfg.mode == "live"
         r = self.cfg.ring
+        remote = self._in_process(scfg, pools, source)
         for name in pools:
             pool = self._pools[name]
             entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
                                           min_slots=r.min_slots, max_slots=r.max_slots,
                                           max_frame_pixels=r.max_frame_pixels, notify=self._wake,
-                                          max_interval=scfg.max_interval, budget=self.frame_budget)
+                                          max_interval=scfg.max_interval, budget=self.frame_budget,
+                                          storage=SharedHostSlots() if remote else None)
             if self._view is not None:
                 entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
         size = getattr(source, "frame_size", None)  # (w, h) known before opening (synthetic sources)
@@ -216,16 +235,40 @@ class StreamTable:
             rings = list(entry.rings.values())
             sink = rings[0] if len(rings) == 1 else RingGroup(rings)
             src = self.cfg.source
-            entry.ingest = IngestThread(source, sink, live=live, loop=scfg.loop,
-                                        budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
-                                        reconnect_initial_s=src.reconnect_initial_s,
-                                        reconnect_max_s=src.reconnect_max_s,
-                                        backoff_reset_after_s=src.backoff_reset_after_s)
+            if remote:
+                entry.ingest = self._hub.add(scfg, rings[0], source)
+            else:
+                entry.ingest = IngestThread(source, sink, live=live, loop=scfg.loop,
+                                            budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
+                                            reconnect_initial_s=src.reconnect_initial_s,
+                                            reconnect_max_s=src.reconnect_max_s,
+                                            backoff_reset_after_s=src.backoff_reset_after_s)
             entry.ingest.start()
         except Exception as err:
             log.exception("stream %s: starting it failed; undone", scfg.id)
             self._undo(entry)
             raise SourceError(scfg.id, f"could not be started: {redact_url(f'{type(err).__name__}: {err}')}") from None
+
+    def _in_process(self, scfg: StreamConfig, pools: list[str], source) -> bool:
+        """Whether the stream is decoded in an ingest process (else a thread here, as before issue 33)."""
+        if self._hub is None:
+            return False
+        why = None
+        if getattr(source, "decode_device", "cpu") != "cpu":
+            # The CUDA IPC slot pool exists (engine/ingest/cuda_slots.py, DeviceSharedSlots) but has run on the CPU
+            # with fakes only, and the hub does not yet create pools for NVDEC leases nor do the ingest processes
+            # open NVDEC sources: so such streams stay threads until a device has run benchmarks/gpu_check.py
+            # --only ingest_gpu (issue 33 item 8).
+            why = ("streams that may decode with NVDEC (decode auto/cuda on a CUDA machine) stay threads in the engine "
+                   "process: their CUDA IPC slots have not run on a GPU yet (issue 33 item 8)")
+        elif len(pools) > 1:
+            why = "streams feeding several pools stay threads in the engine process (one ring per pool)"
+        if why is None:
+            return True
+        if why not in self._told_threads:
+            self._told_threads.add(why)
+            log.info("stream %s: %s", scfg.id, why)
+        return False
 
     def _undo(self, entry: StreamEntry) -> None:
         """A start that failed half-way: the stream is as if never added (its id free, nothing held)."""
@@ -413,6 +456,8 @@ class StreamTable:
         """`e` from snapshot(): by entry, not id, since the core may forget the stream meanwhile."""
         source = e.ingest.source if e.ingest is not None else None
         return {"url": redact_url(e.cfg.url), "mode": e.cfg.mode, "state": e.display_state, "pools": list(e.pools),
+                # where it is decoded: "ingest-2 (pid 1234)", or "engine" for a thread in the engine process
+                "process": getattr(e.ingest, "process", "engine"),
                 # where its video is decoded and why (auto falls back to the CPU with a reason)
                 "decode": {"device": getattr(source, "decode_device", None),
                            "reason": getattr(source, "decode_reason", "")}}

@@ -16,16 +16,18 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from engine.errors import SourceError
 from engine.frames.lifecycle import FrameMeta
-from engine.frames.ring import FrameRing
 from engine.util.threads import OwnThread
 
 from streams.backoff import Backoff
 from streams.base import DecodedFrame, Source
 from streams.urls import redact_url
+
+if TYPE_CHECKING:  # not at run time: an ingest process (engine/ingest/process.py) runs this without torch
+    from engine.frames.ring import FrameRing
 
 log = logging.getLogger("vidar.source")
 

@@ -57,6 +57,10 @@ class FrameMeta:
     # The colour matrix and range the frame was coded with (an NV12 -> RGB conversion needs them):
     # ("bt601" | "bt709", "limited" | "full"); set by the ingest thread from the decoder.
     colour: tuple[str, str] = ("bt601", "limited")
+    # Monotonic seconds, when an ingest process finished copying the frame into its slot (engine/ingest); nan for
+    # frames written in the engine process (t_decoded is that moment). The commit's t_decoded minus it is the time
+    # the frame took to cross from its process to the engine.
+    t_written: float = math.nan
 
     @property
     def live(self) -> bool:

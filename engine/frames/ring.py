@@ -365,10 +365,11 @@ class FrameRing:
                 self._state[i] = SlotState.WRITING
             return out
 
-    def commit(self, slot: int, meta: FrameMeta) -> bool:
+    def commit(self, slot: int, meta: FrameMeta, notify: bool = True) -> bool:
         """A lent slot now holds frame `meta` (meta.height x meta.width): WRITING -> READY, counted ingested,
-        the core woken (write()'s last critical section). False, and nothing counted, when the slot is not
-        lent at that size (a bug or a forged descriptor) or the ring closed meanwhile (the slot is freed)."""
+        the core woken (write()'s last critical section; `notify=False`: the caller commits a batch of frames
+        and calls `notify()` once after it). False, and nothing counted, when the slot is not lent at that size
+        (a bug or a forged descriptor) or the ring closed meanwhile (the slot is freed)."""
         with self._cond:
             if not 0 <= slot < len(self._state) or self._state[slot] is not SlotState.WRITING \
                     or self._storage.shape(slot) != (meta.height, meta.width):
@@ -379,14 +380,25 @@ class FrameRing:
                 self._give_back()
                 self._cond.notify_all()
                 return False
+            self._storage.admit(slot)  # a CUDA IPC slot: the core's own ready event for its readers
             self._acct.ingest(self.stream)
             meta.pixel_format = self._storage.pixel_format
             meta.t_decoded = time.monotonic()
             self._meta[slot] = meta
             self._state[slot] = SlotState.READY
             self._ready_order.append(slot)
-        self._notify()
+        if notify:
+            self._notify()
         return True
+
+    def notify(self) -> None:
+        """Wake the consumer (the engine core): frames were committed with notify=False."""
+        self._notify()
+
+    def written_event(self, slot: int) -> Any:
+        """The remote writer's event for a lent slot's copy (CUDA IPC slots), which the caller polls with query()
+        before commit(); None when the frame is complete once its descriptor arrives (shared host memory)."""
+        return self._storage.written_event(slot)
 
     def reclaim(self) -> int:
         """Every lent slot (WRITING) -> FREE: its writer died or its credits were renewed. Returns how many."""

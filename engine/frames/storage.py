@@ -12,7 +12,9 @@ slot i. Three implementations:
     device-to-device copy on the ring's own CUDA stream: no pixel crosses the host.
   * SharedHostSlots: the same RGB slots in a shared-memory segment the core created, written by an ingest
     process (engine/ingest, issue 33); the core only reads them.
-Only engine/frames and the model runners touch pixels.
+  * DeviceSharedSlots: NV12 slots in a CUDA block the core created and exported to an ingest process (CUDA IPC,
+    engine/ingest/cuda_slots.py; not run on a GPU yet), ordered by interprocess events; the core only reads them.
+Only engine/frames, the ingest processes and the model runners touch pixels.
 
 Ordering without host syncs (DeviceSlots): a write waits (on the GPU) for the decoder's event
 (the frame is written) and for the slot's release event (the last reader's kernels are done with
@@ -64,6 +66,14 @@ class SlotStorage(ABC):
     def release_after(self, slot: int, event: Any) -> None:
         """The slot's last reader queued work that reads it until `event` completes: the next write
         into it waits for that first. None: nothing pending."""
+
+    def written_event(self, slot: int) -> Any:
+        """A remote writer's event after its copy into `slot` (polled on the host before the frame is committed),
+        or None: the frame is complete when its descriptor arrives."""
+        return None
+
+    def admit(self, slot: int) -> None:
+        """A remote writer's frame in `slot` is committed (its copy is complete)."""
 
     @abstractmethod
     def resize(self, n: int) -> None:
@@ -296,6 +306,96 @@ class DeviceSlots(SlotStorage):
             self._stream.wait_event(pending)
         self._tensors[slot] = None
         self._ready[slot] = None
+
+    def shape(self, slot: int) -> Optional[tuple[int, int]]:
+        t = self._tensors[slot]
+        return None if t is None else (int(t.shape[0]) * 2 // 3, int(t.shape[1]))
+
+    def nbytes(self, slot: int) -> int:
+        t = self._tensors[slot]
+        return 0 if t is None else t.numel()
+
+    def count(self) -> int:
+        return len(self._tensors)
+
+
+class DeviceSharedSlots(SlotStorage):
+    """NV12 slots in a CUDA block the core allocated and exported to an ingest process (engine/ingest/cuda_slots.py,
+    issue 33 item 8; NOT RUN ON A GPU YET: tested on the CPU with engine/testing/fake_cuda.py). The ingest process
+    writes them; the core only reads them. `map(pool)` points the slots at the ring's current pool, as
+    SharedHostSlots.map does with a segment; a slot still holding a frame of an older pool keeps its view.
+
+    Events: the pool's, created once. A reader waits on `ready_event(i)`: the pool's `admitted[i]`, recorded by
+    `admit(i)` on this storage's own stream when the ingest-io thread has seen, by a host poll, that the
+    producer's `written[i]` completed; never `written[i]` itself, which another process records and which may
+    never complete (cuda_slots.py says why). `release_after(i, after)` records the pool's `released[i]` after
+    `after` on this storage's stream: the producer's next write into slot i waits on it on its GPU stream.
+    This storage's stream waits only on the core's own events (`after`), never on a foreign one."""
+
+    pixel_format = "nv12"
+
+    def __init__(self, *, cuda: Any = None):
+        self._cuda = cuda if cuda is not None else torch.cuda
+        self._stream: Any = None  # made at the first map (on the pool's device)
+        self._tensors: list[Optional[torch.Tensor]] = []
+        self._pools: list[Any] = []  # per slot: the pool its view is of (its events are that pool's)
+        self.pool: Any = None
+
+    def map(self, pool: Any) -> None:
+        """The ring's current pool (an engine.ingest.cuda_slots.CudaSlotPool): slots allocated from now on view it."""
+        if self._stream is None:
+            self._stream = self._cuda.Stream(device=pool.device)  # torch's pool, never the legacy default stream
+        self.pool = pool
+
+    def frame_bytes(self, h: int, w: int) -> int:
+        return h * w * 3 // 2
+
+    def frame_size(self, frame: Any) -> tuple[int, int]:
+        return DeviceSlots.frame_size(self, frame)
+
+    def resize(self, n: int) -> None:
+        self._tensors = [None] * n
+        self._pools = [None] * n
+
+    def allocate(self, slot: int, h: int, w: int) -> None:
+        pool = self.pool
+        if self._tensors[slot] is not None and self._pools[slot] is pool:
+            return
+        if pool is None or (pool.h, pool.w) != (h, w) or slot >= pool.count:
+            raise ValueError(f"slot {slot} of {w}x{h} is not in the ring's CUDA pool "
+                             f"({None if pool is None else f'{pool.count} x {pool.w}x{pool.h}'})")
+        self._tensors[slot], self._pools[slot] = pool.block[slot], pool
+
+    def write(self, slot: int, frame: Any, ready: Any = None) -> None:
+        raise TypeError("DeviceSharedSlots are written by their ingest process (engine/ingest/cuda_slots.py), "
+                        "never by the core")
+
+    def written_event(self, slot: int) -> Any:
+        """The producer's `written[slot]` (the ingest-io thread polls it with query(); nobody waits on it). None
+        for a slot that is not lent (a forged or stale descriptor: commit() then refuses it)."""
+        pool = self._pools[slot] if 0 <= slot < len(self._pools) else None
+        return None if pool is None else pool.written[slot]
+
+    def admit(self, slot: int) -> None:
+        """The producer's copy into `slot` is complete (its written event queried true): record the core's own
+        `admitted[slot]` on this storage's stream, which waits on nothing foreign, for the readers."""
+        self._pools[slot].admitted[slot].record(self._stream)
+
+    def ready_event(self, slot: int) -> Any:
+        return self._pools[slot].admitted[slot]
+
+    def release_after(self, slot: int, event: Any) -> None:
+        pool = self._pools[slot]
+        with self._cuda.stream(self._stream):
+            self._stream.wait_event(event)  # the core's own event (a reader's kernels, the view's copy)
+            pool.released[slot].record(self._stream)
+
+    def tensor(self, slot: int) -> torch.Tensor:
+        return self._tensors[slot]
+
+    def free(self, slot: int) -> None:
+        # no memory of its own: the view goes; the pool's block lives while the core's pool object does
+        self._tensors[slot] = self._pools[slot] = None
 
     def shape(self, slot: int) -> Optional[tuple[int, int]]:
         t = self._tensors[slot]

@@ -523,10 +523,10 @@ def test_frame_memory_is_capped_engine_wide(endpoint, clip48):
         eng.stop()
 
 
-# -- 11. the README's CURVE snippet is a config that starts -----------------------------------------------
+# -- 11. the documented CURVE snippet (docs/security.md) is a config that starts -----------------------------------------------
 def test_the_readme_curve_snippet_starts(tmp_path, monkeypatch, endpoint):
     from engine.security.keys import create_keys
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     block = readme.split("CURVE, in short:", 1)[1]
     snippet = re.search(r"```yaml\n(.*?)```", block, re.S).group(1)
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,5 @@
 """G7: SIGTERM/SIGINT drain within shutdown_timeout_s, one eos per stream, exit 0; nothing left behind.
-SIGKILL leaves no orphan processes (vidar starts none: decoding and models run in threads)."""
+SIGKILL leaves no orphan processes (the ingest processes exit when the engine dies)."""
 
 import os
 import signal
@@ -17,13 +17,13 @@ from tests.support.net import free_port
 VIDAR = [sys.executable, "-m", "engine.cli", "run"]
 
 
-def start_engine(tmp_path, streams=3):
+def start_engine(tmp_path, streams=3, **sections):
     port = free_port()
     cfg = {"streams": [{"id": f"c{i}", "url": "synthetic://shapes?size=320x240&fps=30"} for i in range(streams)],
            "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4}},
            "budget": {"latency_ms": 300}, "shutdown_timeout_s": 5,
            "publish": {"endpoint": f"tcp://127.0.0.1:{port}"}, "metrics": {"enabled": False}, "view": {"port": 0},
-           "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}}
+           "control": {"endpoint": f"tcp://127.0.0.1:{free_port()}"}, **sections}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg))
     sub = Subscriber(f"tcp://127.0.0.1:{port}", ["classify.", "event."])
@@ -58,11 +58,16 @@ def test_signal_drains_and_exits_zero(tmp_path, sig):
 
 
 def test_sigkill_leaves_no_orphans(tmp_path):
-    proc, sub = start_engine(tmp_path, streams=2)
-    engine = psutil.Process(proc.pid)
-    children = engine.children(recursive=True)
-    assert children == []  # no child processes to orphan: decoders and models are threads
-    proc.kill()
-    proc.wait(10)
-    sub.close()
+    """SIGKILL of the engine: its ingest processes (ingest.processes auto) and multiprocessing's forkserver and
+    resource tracker end by themselves (each watches its parent): nothing is orphaned."""
+    proc, sub = start_engine(tmp_path, streams=2, ingest={"processes": "auto"})
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children, "no ingest process: the engine's streams should decode in processes"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        sub.close()
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == [], f"orphans left by a SIGKILLed engine: {alive}"
     assert not [p for p in psutil.process_iter(["ppid"]) if p.info["ppid"] == proc.pid]

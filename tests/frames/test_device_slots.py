@@ -24,7 +24,7 @@ from engine.frames.lifecycle import FrameMeta
 from engine.frames.ref import LooseFrames
 from engine.frames.ring import FrameRing
 from engine.frames.storage import DeviceSlots, HostSlots
-from tests.support.fake_cuda import FakeCuda, FakeEvent, nv12
+from engine.testing.fake_cuda import FakeCuda, FakeEvent, nv12
 
 pytestmark = pytest.mark.timeout(60)
 

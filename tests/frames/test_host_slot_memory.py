@@ -19,7 +19,7 @@ from engine.frames.budget import FrameMemoryBudget
 from engine.frames.lifecycle import FrameMeta
 from engine.frames.ring import FrameRing
 from engine.frames.storage import DeviceSlots, HostSlots
-from tests.support.fake_cuda import FakeCuda, nv12
+from engine.testing.fake_cuda import FakeCuda, nv12
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,23 +19,11 @@ from streams import nvdec, open_source
 from streams.colour import colour_from_av
 from streams.pyav import FileSource
 from engine.testing.fake_nvdec import DisplayDecodeLatencyType, FakeCuda, FakeNvdec, VideoPacketFlag
+from tests.support.nvdec_helpers import Fails, install, pyav_nv12, read_all, solid_clip  # noqa: F401 - shared with test_nvdec_*
 
 pytestmark = pytest.mark.timeout(120)
 
 GOP = 15  # write_clip's keyframe interval: keyframes at 0, 15, 30, 45
-
-
-@dataclass(frozen=True)
-class Fails:
-    """A table row that raises: the error and the pattern its message matches."""
-    error: type
-    match: str
-
-
-def install(monkeypatch, fake: FakeNvdec) -> FakeNvdec:
-    monkeypatch.setattr(nvdec, "load_pynvvideocodec", lambda: fake)
-    monkeypatch.setattr(nvdec, "cuda_ops", fake.cuda)
-    return fake
 
 
 @pytest.fixture
@@ -50,19 +38,6 @@ def clips(tmp_path_factory) -> dict[str, Path]:
     return {"mp4": write_clip(d / "c.mp4", 48, (96, 64), gop=GOP),
             "h264": write_clip(d / "c.h264", 48, (96, 64), gop=GOP, fmt="h264"),
             "ts": write_clip(d / "c.ts", 48, (96, 64), gop=GOP, fmt="mpegts")}
-
-
-def pyav_nv12(path: Path) -> list[np.ndarray]:
-    with av.open(str(path)) as c:
-        return [f.to_ndarray(format="nv12") for f in c.decode(video=0)]
-
-
-def read_all(source) -> list:
-    source.open()
-    try:
-        return list(source.frames())
-    finally:
-        source.close()
 
 
 def recording_arrivals(source) -> list:
@@ -208,20 +183,6 @@ def test_the_real_import_on_a_machine_without_the_driver_reads_as_unavailable():
     device, reason = nvdec.resolve_decode("auto", "h264", cuda_available=True, nvdec_import=nvdec.load_pynvvideocodec)
     assert device == "cpu"
     assert reason.startswith("auto: PyNvVideoCodec is unavailable (RuntimeError: Failed to load NVENC library"), reason
-
-
-def solid_clip(path: Path, codec: str, pix_fmt: str, options: dict | None = None, size: tuple[int, int] = (32, 32)) -> Path:
-    """Three flat frames of `size` (w, h) encoded with `codec` (and its options)."""
-    (w, h) = size
-    with av.open(str(path), "w") as out:
-        st = out.add_stream(codec, rate=10)
-        st.width, st.height, st.pix_fmt = w, h, pix_fmt
-        st.options = options or {}
-        frames = [av.VideoFrame.from_ndarray(np.full((h, w, 3), 40 * i, np.uint8), format="rgb24") for i in range(3)]
-        for frame in frames + [None]:  # None flushes the encoder
-            for pkt in st.encode(frame):
-                out.mux(pkt)
-    return path
 
 
 @pytest.fixture(scope="module")

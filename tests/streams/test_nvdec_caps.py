@@ -14,7 +14,7 @@ import pytest
 from engine.errors import SourceError, SourceOpenError
 from engine.testing.clips import write_clip
 from streams import nvdec, nvdec_caps, open_source
-from tests.streams.test_nvdec import Fails, install, pyav_nv12, read_all, solid_clip
+from tests.support.nvdec_helpers import Fails, install, pyav_nv12, read_all, solid_clip
 from engine.testing.fake_nvdec import DEFAULT_CAPS, FakeNvdec
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,7 +11,7 @@ import pytest
 
 from engine.testing.clips import write_clip
 from streams import open_source
-from tests.streams.test_nvdec import install, read_all
+from tests.support.nvdec_helpers import install, read_all
 from engine.testing.fake_nvdec import FakeNvdec, cudaVideoCodec, is_slice, nal_types
 from tests.support.net import free_port
 from tests.support.rtsp import SERVER, SYSTEM_PY, require_server

@@ -13,7 +13,11 @@ def engine_config(streams: list[dict], endpoint: str, **sections):
             "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 4, "device": "cpu"}},
             "publish": {"endpoint": endpoint}, "metrics": {"enabled": False}, "status": {"interval_s": 1},
             "control": {"enabled": False},  # engines in tests run without the runtime's control socket
-            "view": {"enabled": False}}     # nor its live view (tests/view/ turns it on)
+            "view": {"enabled": False},     # nor its live view (tests/view/ turns it on)
+            # In-process engines in tests decode on threads (ingest.processes: 0): tests patch sources in this
+            # process and read an IngestThread's state. The ingest processes (the product's default) are tested in
+            # tests/ingest/ and by every test that runs `vidar run`.
+            "ingest": {"processes": 0}}
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(tree.get(key), dict):
             for k, v in value.items():

@@ -74,7 +74,7 @@ def test_an_nv12_slot_is_shown_as_its_rgb_and_the_worker_thread_never_waits_on_t
     event alone, converts (the models' conversion) and shows it. A frame not taken queues nothing."""
     import av
     import threading
-    from tests.frames.test_device_slots import FakeCuda, FakeEvent
+    from engine.testing.fake_cuda import FakeCuda, FakeEvent
 
     class Cuda(FakeCuda):
         def Event(self, **kwargs):
@@ -122,7 +122,7 @@ def test_a_viewed_nv12_slot_is_rewritten_only_after_the_views_copy():
     from engine.frames.accounting import Accounting
     from engine.frames.ring import FrameRing
     from engine.frames.storage import DeviceSlots
-    from tests.frames.test_device_slots import FakeCuda, FakeEvent, nv12
+    from engine.testing.fake_cuda import FakeCuda, FakeEvent, nv12
 
     cuda, view_cuda, made = FakeCuda(), FakeCuda(), []
     real_event = view_cuda.Event

@@ -1,0 +1,13 @@
+"""Ingest in processes (issue 33): streams decoded in child processes, frames handed to the core by reference.
+
+  wire.py        the typed messages between the core and an ingest process (msgspec, one type byte + payload)
+  slots.py       core-owned shared-memory slot segments (created, prefaulted and unlinked by the core only)
+  process.py     the ingest process: today's IngestThread per stream, writing into lent slots (RemoteRing)
+  supervisor.py  ingest process handles, death and hang detection, the restart/quarantine policy
+  client.py      the core side: one I/O thread that owns the sockets, commits frames into the rings,
+                 lends slots back as credits, and restarts dead processes; RemoteIngest per stream
+
+Why: one Python thread per stream shared the core's GIL and convoyed (issue 33's measurements). Pixels
+never cross a socket: the core owns every slot; a ~100-byte descriptor does.
+May import: engine.errors, engine.util, engine.config, engine.frames, streams.
+"""

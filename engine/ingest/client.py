@@ -1,0 +1,553 @@
+"""The core side of the ingest processes: one I/O thread, the streams' leases, RemoteIngest per stream.
+
+The I/O thread ("ingest-io") owns every socket: a PULL the core binds for what the processes send (frames,
+events, states, heartbeats; one socket, so each process's messages arrive in its order: a stream's eos
+state comes after its last frame), and one PUSH per process for commands. It sleeps in a zmq.Poller on
+that PULL and an os.eventfd, which the rings' release (`FrameRing.on_free`) and the core thread's
+add/remove write to: a freed slot is lent back as a credit within one wake-up, and no socket is touched
+by another thread. Each wake-up drains descriptors in bulk and commits them to the rings (the ring's
+critical section that write() had), then tops up credits, then checks the processes (supervisor.py):
+their exits are polled here every 50 ms (Process.is_alive, a waitpid) rather than registered in the
+poller, which would need rebuilding at every restart for a gain of at most 50 ms of the 5 s promised.
+
+A stream's lease: which process holds it, its generation (`gen`: bumped at each assignment to a process
+and each new geometry; a descriptor of another generation is stale: dropped and counted, never
+committed), its segment (slots.py), and the next seq (a restarted process continues it). A process
+death: its streams' lent slots are reclaimed (frames it delivered stay READY and are published), each
+stream is announced `reconnecting` naming the signal, and placed again at once (RestartPolicy decides
+restart, quarantine or fail).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import secrets
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import zmq
+
+from engine.config import EngineConfig, StreamConfig
+from engine.errors import SourceError
+from engine.frames.lifecycle import FrameMeta
+from engine.frames.ring import FrameRing
+from engine.ingest import wire
+from engine.ingest.cuda_slots import PendingFrames
+from engine.ingest.slots import Segment, ShmSpaceError
+from engine.ingest.supervisor import IngestProcess, RestartPolicy, exit_reason
+
+log = logging.getLogger("vidar.ingest")
+
+#: Modules an ingest process imports at start. Tests only (a source that crashes on purpose is registered
+#: this way, tests/support/crashing_source.py); the product never sets it.
+TEST_IMPORTS: list[str] = []
+
+_PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
+
+
+def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
+    """(the most general ingest processes, the rule said in the start log)."""
+    if processes != "auto":
+        return int(processes), f"ingest.processes={processes}"
+    cap = max(1, cores - 1)
+    return cap, (f"ingest.processes=auto: up to max(1, usable cores - 1) = {cap} processes, a new one started when "
+                 f"every running one holds ingest.streams_per_process={streams_per_process} streams "
+                 f"({streams} configured now -> {min(cap, max(1, math.ceil(streams / streams_per_process)))})")
+
+
+class RemoteIngest:
+    """What the StreamTable reads from an IngestThread, for a stream decoded in an ingest process."""
+
+    def __init__(self, hub: "IngestHub", source: Any, ring: FrameRing, live: bool):
+        self._hub, self.source, self.ring, self.live = hub, source, ring, live
+        self.stream = source.stream_id
+        self.state = "starting"
+        self.failed = False
+        self.end_reason = ""
+        self.total_frames: Optional[int] = None
+        self.reconnects = 0
+        self.seq = 0
+        self.process = "starting"   # "ingest-2 (pid 1234)": where it decodes (list, the view)
+        self.attempts: deque = deque(maxlen=64)
+        self.backoff: deque = deque(maxlen=64)
+        self._ended = threading.Event()
+
+    def start(self) -> None:
+        self._hub._submit(("add", self.stream))
+
+    def stop(self) -> None:
+        """Idempotent. The ring closes now (as IngestThread.stop does); its process is told to stop the stream."""
+        self.ring.close()
+        if not self._ended.is_set():
+            self._hub._submit(("remove", self.stream))
+
+    def join(self, timeout: Optional[float] = None) -> bool:
+        return self._ended.wait(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return not self._ended.is_set()
+
+
+@dataclass(eq=False)
+class _Lease:
+    cfg: StreamConfig
+    ring: FrameRing
+    remote: RemoteIngest
+    size: Optional[tuple[int, int]] = None   # (h, w) known before opening (synthetic sources)
+    proc: Optional[IngestProcess] = None
+    gen: int = 0
+    assign_gen: int = 0
+    segment: Optional[Segment] = None
+    segments_made: int = 0
+    dropped_seen: int = 0
+    next_seq: int = 0
+    removing: bool = False
+
+    @property
+    def stream(self) -> str:
+        return self.cfg.id
+
+
+class IngestHub:
+    def __init__(self, cfg: EngineConfig, *, emit: Callable[[str, str, str], None], cores: int):
+        self.cfg, self._emit = cfg, emit
+        ic = cfg.ingest
+        self.max_procs, rule = resolve_processes(ic.processes, len(cfg.streams), ic.streams_per_process, cores)
+        self._auto = ic.processes == "auto"
+        log.info("ingest: decoders run in processes: %s", rule)
+        self._run = secrets.token_hex(4)
+        # a short ipc path (107 bytes at most): the system temp folder, not a long TMPDIR or stream ids
+        self._dir = tempfile.mkdtemp(prefix=f"vidar-{self._run}-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self._mp = multiprocessing.get_context("forkserver")
+        self._mp.set_forkserver_preload(_PRELOAD)
+        self._ctx = zmq.Context()
+        self._up = self._ctx.socket(zmq.PULL)
+        self._up.setsockopt(zmq.RCVHWM, 100_000)
+        self._up.setsockopt(zmq.LINGER, 0)
+        self._up_addr = f"ipc://{self._dir}/up"
+        self._up.bind(self._up_addr)
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._inbox: deque = deque()            # ("add" | "remove" | "credit", stream) from other threads
+        self._leases: dict[str, _Lease] = {}    # the I/O thread's, but for add (before it is submitted)
+        self._procs: dict[int, IngestProcess] = {}
+        self._gens: dict[int, int] = {}
+        self.policy = RestartPolicy(ic.max_restarts, ic.restart_window_s)
+        self._pending = PendingFrames()  # CUDA IPC frames whose copy is not done yet (none for host slots)
+        self.stale_descriptors = 0   # FrameReady of a dead or superseded generation: dropped, never committed
+        self.bad_messages = 0        # messages that did not decode or named nothing we know
+        self.restarts = 0            # ingest processes that died and whose streams were placed again
+        self._to_wake: Optional[FrameRing] = None  # a ring committed to since the core was last woken
+        self._closing = False
+        self.dead: Optional[str] = None
+        self._thread = threading.Thread(target=self._loop, name="ingest-io", daemon=True)
+        self._thread.start()
+
+    # -- other threads ------------------------------------------------------------------------------------
+    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any) -> RemoteIngest:
+        """Core thread: a stream to decode in a process (started by RemoteIngest.start)."""
+        remote = RemoteIngest(self, source, ring, scfg.mode == "live")
+        size = getattr(source, "frame_size", None)
+        lease = _Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None)
+        ring.on_free = lambda s=scfg.id: self._submit(("credit", s))
+        self._leases[scfg.id] = lease
+        return remote
+
+    def _submit(self, item: tuple[str, str]) -> None:
+        self._inbox.append(item)
+        try:
+            os.eventfd_write(self._efd, 1)
+        except OSError:  # closed: the hub is shutting down
+            pass
+
+    def health(self) -> Optional[str]:
+        """Why ingest cannot go on (its I/O thread died), or None; the core checks it every step."""
+        if self.dead or (not self._thread.is_alive() and not self._closing):
+            return self.dead or "ingest I/O thread ended"
+        return None
+
+    def describe(self) -> list[dict]:
+        return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated}
+                for p in list(self._procs.values())]
+
+    def counters(self) -> dict[str, int]:
+        return {"stale_descriptors": self.stale_descriptors, "bad_messages": self.bad_messages,
+                "restarts": self.restarts, "processes": len(self._procs),
+                "cuda_unadmitted": self._pending.dropped}
+
+    def pids(self) -> dict[int, int]:
+        return {p.idx: p.handle.pid for p in list(self._procs.values())}
+
+    # -- the I/O thread --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._up, zmq.POLLIN)
+        poller.register(self._efd, zmq.POLLIN)
+        next_check = 0.0
+        try:
+            while not self._closing:
+                poller.poll(1 if self._pending.held else 50)  # a GPU copy being polled: ~1 ms, not 50
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
+                credit = self._drain_up()
+                if self._pending.held:
+                    self._pending.poll()
+                if self._to_wake is not None:  # every ring shares the core's wake: once for the batch
+                    self._to_wake.notify()
+                    self._to_wake = None
+                credit |= self._apply_inbox()
+                for stream in credit:
+                    self._top_up(stream)
+                now = time.monotonic()
+                if now >= next_check:
+                    self._supervise(now)
+                    next_check = now + 0.05
+        except BaseException as err:  # the engine cannot ingest any more: it dies loudly (health)
+            log.exception("ingest I/O thread crashed")
+            self.dead = f"ingest I/O thread crashed: {type(err).__name__}: {err}"
+
+    def _drain_up(self) -> set[str]:
+        touched: set[str] = set()
+        for _ in range(4096):  # bounded: commands and supervision are not starved by a flood
+            try:
+                frames = self._up.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = wire.decode(frames)
+            except wire.WireError as err:
+                self.bad_messages += 1
+                log.warning("ingest: dropped a message that is not ours: %s", err)
+                continue
+            self._handle(msg, touched)
+        return touched
+
+    def _handle(self, msg: Any, touched: set[str]) -> None:
+        if isinstance(msg, (wire.Ready, wire.Heartbeat)):
+            proc = self._procs.get(msg.proc)
+            if proc is None or proc.gen != msg.gen:
+                return
+            proc.last_beat = time.monotonic()
+            if isinstance(msg, wire.Ready):
+                proc.ready, proc.pid = True, msg.pid
+                for s in proc.streams:
+                    self._leases[s].remote.process = proc.label
+                self._flush(proc)
+            return
+        lease = self._leases.get(msg.stream)
+        if lease is None or msg.gen < lease.assign_gen:  # a stream gone, or a dead process's leftovers
+            if isinstance(msg, wire.FrameReady):
+                self.stale_descriptors += 1
+            return
+        if isinstance(msg, (wire.FrameReady, wire.StreamState)):
+            d = msg.dropped - lease.dropped_seen
+            if d > 0:
+                lease.ring.drop_at_source(d)
+                lease.dropped_seen = msg.dropped
+        if isinstance(msg, wire.FrameReady):
+            self._commit(lease, msg)
+            touched.add(lease.stream)
+        elif isinstance(msg, wire.Geometry):
+            self._geometry(lease, msg.h, msg.w, msg.gen)
+        elif isinstance(msg, wire.StreamEvent):
+            self._event(lease, msg.kind, msg.reason)
+        elif isinstance(msg, wire.StreamState):
+            self._state(lease, msg)
+
+    def _commit(self, lease: _Lease, msg: wire.FrameReady) -> None:
+        if msg.gen != lease.gen:  # lent under an older geometry or assignment: the slot is not its any more
+            self.stale_descriptors += 1
+            return
+        meta = FrameMeta(msg.stream, msg.seq, msg.pts, msg.t_capture, decode_s=msg.decode_s, deadline=msg.deadline,
+                         height=msg.h, width=msg.w, t_capture_mono=msg.t_capture_mono, colour=tuple(msg.colour),
+                         t_written=msg.t_written)
+        written = lease.ring.written_event(msg.slot)
+        if written is None:  # shared host memory: the pixels are there when the descriptor is
+            self._admit(lease, msg, meta)
+        else:  # a CUDA IPC slot (cuda_slots.py): committed once a host poll sees the GPU copy done, never waited on
+            self._pending.add(msg.stream, msg.gen, msg.slot, written, lambda: self._admit(lease, msg, meta))
+
+    def _admit(self, lease: _Lease, msg: wire.FrameReady, meta: FrameMeta) -> bool:
+        # the core is woken once per drained batch, not per frame (its Condition.notify was 15 us of GIL a frame)
+        if lease.ring.commit(msg.slot, meta, notify=False):
+            self._to_wake = lease.ring
+            lease.next_seq = max(lease.next_seq, msg.seq + 1)
+            lease.remote.seq = lease.next_seq
+            return True
+        if not lease.ring.closed:
+            self.bad_messages += 1
+            log.warning("stream %s: a descriptor named slot %d, which is not lent at %dx%d: dropped", msg.stream,
+                        msg.slot, msg.w, msg.h)
+        return False
+
+    def _event(self, lease: _Lease, kind: str, reason: str) -> None:
+        r = lease.remote
+        if r.failed:
+            return
+        if kind in ("started", "connected"):
+            r.state = "running"
+        elif kind == "reconnecting":
+            r.state = "reconnecting"
+        self._emit(lease.stream, kind, reason)
+
+    def _state(self, lease: _Lease, msg: wire.StreamState) -> None:
+        r = lease.remote
+        r.total_frames, r.reconnects = msg.total_frames, max(r.reconnects, msg.reconnects)
+        r.source.decode_errors = msg.decode_errors
+        if msg.decode_device:
+            r.source.decode_device = msg.decode_device
+        lease.next_seq = max(lease.next_seq, msg.seq)
+        r.seq = lease.next_seq
+        if not r.failed:
+            r.state, r.failed, r.end_reason = msg.state, msg.failed, msg.end_reason
+        if msg.final:
+            self._end(lease)
+
+    def _geometry(self, lease: _Lease, h: int, w: int, gen: int) -> None:
+        seg = lease.segment
+        if seg is not None and (seg.h, seg.w) == (h, w) and gen < lease.gen:
+            return  # it asked before the Slots it is being sent arrived (a first frame racing them): they will
+        if lease.proc is not None:
+            self._send(lease.proc, self._new_segment(lease, h, w))
+
+    def _new_segment(self, lease: _Lease, h: int, w: int) -> list:
+        """A segment for the stream's frames of h x w, its slots and credits (or the stream fails)."""
+        n = lease.ring.slots_needed(h, w)
+        lease.segments_made += 1
+        name = f"vidar-{self._run}-{lease.stream}-{lease.segments_made}"
+        try:
+            seg = Segment(name, n, h, w, create=True)
+        except (ShmSpaceError, OSError) as err:
+            self._fail(lease, f"no shared memory for its frames: {err}")
+            return []
+        try:
+            lease.ring.set_geometry(h, w, seg)
+        except SourceError as err:
+            seg.unlink()
+            self._fail(lease, err.reason)
+            return []
+        old, lease.segment = lease.segment, seg
+        if old is not None:
+            old.unlink()  # its frames still held stay mapped until released
+        lease.gen += 1
+        return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen,
+                                                                                lease.ring.lend())]
+
+    def _top_up(self, stream: str) -> None:
+        lease = self._leases.get(stream)
+        if lease is None or lease.proc is None or lease.segment is None:
+            return
+        slots = lease.ring.lend()
+        if slots:
+            self._send(lease.proc, [wire.Credit(stream, lease.gen, slots)])
+
+    def _fail(self, lease: _Lease, reason: str) -> None:
+        r = lease.remote
+        r.failed, r.state, r.end_reason = True, "failed", f"error: {reason}"
+        log.error("stream %s: %s", lease.stream, reason)
+        self._emit(lease.stream, "error", reason)
+        lease.ring.close()
+        if lease.proc is not None and lease.proc.handle.is_alive():
+            lease.removing = True
+            self._send(lease.proc, [wire.RemoveStream(lease.stream)])
+        else:
+            self._end(lease)
+
+    def _end(self, lease: _Lease) -> None:
+        """The stream is over in its process (its last frame committed before): slots back, segment unlinked."""
+        lease.ring.on_free = None
+        self._pending.forget(lease.stream)
+        lease.ring.reclaim()
+        lease.ring.close()
+        if lease.segment is not None:
+            lease.segment.unlink()
+        proc, lease.proc = lease.proc, None
+        if proc is not None:
+            proc.streams.discard(lease.stream)
+            if proc.dedicated and not proc.streams:
+                self._send(proc, [wire.Exit()])
+        self._leases.pop(lease.stream, None)
+        self.policy.forget(lease.stream)
+        if lease.remote.state not in ("failed", "ended"):
+            lease.remote.state = "ended"
+        lease.remote._ended.set()
+
+    def _apply_inbox(self) -> set[str]:
+        credit: set[str] = set()
+        while self._inbox:
+            what, stream = self._inbox.popleft()
+            lease = self._leases.get(stream)
+            if lease is None:
+                continue
+            if what == "credit":
+                credit.add(stream)
+            elif what == "add":
+                self._place(lease)
+            elif what == "remove" and not lease.removing:
+                lease.removing = True
+                if lease.proc is not None and lease.proc.handle.is_alive():
+                    self._send(lease.proc, [wire.RemoveStream(stream)])
+                else:
+                    self._end(lease)
+        return credit
+
+    # -- placement and processes --------------------------------------------------------------------------
+    def _place(self, lease: _Lease) -> None:
+        proc = self._pick(lease.stream)
+        lease.proc = proc
+        proc.streams.add(lease.stream)
+        lease.remote.process = proc.label
+        lease.gen += 1
+        lease.assign_gen = lease.gen
+        lease.dropped_seen = 0
+        lease.ring.reclaim()
+        ic, src = self.cfg, self.cfg.source
+        cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),
+                                     src.model_dump(mode="json"), ic.ring.max_frame_pixels,
+                                     ic.budget.latency_ms / 1e3, lease.next_seq)]
+        seg = lease.segment
+        if seg is not None:  # a restart: the same slots, lent again under the new generation
+            cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),
+                     wire.Credit(lease.stream, lease.gen, lease.ring.lend())]
+        elif lease.size is not None:
+            cmds += self._new_segment(lease, *lease.size)
+        if not lease.remote.failed:
+            self._send(proc, cmds)
+
+    def _pick(self, stream: str) -> IngestProcess:
+        if stream in self.policy.isolated:
+            return self._start(dedicated=True)
+        general = [p for p in self._procs.values() if not p.dedicated]
+        least = min(general, key=lambda p: len(p.streams), default=None)
+        spp = self.cfg.ingest.streams_per_process
+        if least is not None and (len(general) >= self.max_procs or (self._auto and len(least.streams) < spp)):
+            return least
+        return self._start(dedicated=False)
+
+    def _start(self, dedicated: bool) -> IngestProcess:
+        idx = next(i for i in range(len(self._procs) + 1) if i not in self._procs)
+        gen = self._gens[idx] = self._gens.get(idx, -1) + 1
+        cmd = self._ctx.socket(zmq.PUSH)
+        cmd.setsockopt(zmq.SNDHWM, 100_000)
+        cmd.setsockopt(zmq.LINGER, 0)
+        addr = f"ipc://{self._dir}/c{idx}-{gen}"
+        cmd.bind(addr)
+        ic = self.cfg.ingest
+        handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
+                                  args=(idx, gen, self._up_addr, addr, ic.heartbeat_s, list(TEST_IMPORTS)))
+        handle.start()
+        proc = IngestProcess(idx, gen, handle, cmd, dedicated=dedicated)
+        self._procs[idx] = proc
+        log.info("ingest: started %s%s", proc.label, " for one stream (quarantine)" if dedicated else "")
+        return proc
+
+    def _send(self, proc: IngestProcess, msgs: list) -> None:
+        """In order; what cannot go now (not Ready yet, its connection still being made, or it stopped reading)
+        waits in `pending`, retried every loop (a process that stopped reading is killed by the hang check)."""
+        proc.pending.extend(msgs)
+        if proc.ready:
+            self._flush(proc)
+
+    def _flush(self, proc: IngestProcess) -> None:
+        while proc.pending:
+            try:
+                proc.cmd.send_multipart(wire.encode(proc.pending[0]), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            proc.pending.pop(0)
+
+    def _supervise(self, now: float) -> None:
+        ic = self.cfg.ingest
+        for proc in list(self._procs.values()):
+            if proc.ready and proc.pending:
+                self._flush(proc)
+            if not proc.handle.is_alive():
+                self._died(proc)
+                continue
+            why = proc.hung(now, ic.hang_after_s, ic.start_timeout_s)
+            if why and not proc.kill_reason:
+                proc.kill_reason = why
+                log.error("ingest: %s %s: killing it", proc.label, why)
+                proc.handle.kill()
+
+    def _died(self, proc: IngestProcess) -> None:
+        reason = proc.kill_reason or exit_reason(proc.handle.exitcode)
+        self._procs.pop(proc.idx, None)
+        proc.cmd.close(0)
+        proc.handle.join(0)
+        if not proc.streams:
+            if not (self._closing or proc.dedicated):
+                log.warning("ingest: %s ended (%s) holding no stream", proc.label, reason)
+            return
+        self.restarts += 1
+        log.error("ingest: %s died (%s) holding %d stream(s): %s; restarting them", proc.label, reason,
+                  len(proc.streams), sorted(proc.streams))
+        again = []
+        for stream in sorted(proc.streams):
+            lease = self._leases[stream]
+            lease.proc = None
+            self._pending.forget(stream)  # CUDA copies it queued and never finished: never admitted, counted
+            lease.ring.reclaim()  # its lent slots; the frames it delivered stay READY and are published
+            if lease.removing:
+                self._end(lease)
+                continue
+            why = f"ingest process {proc.label} died ({reason})"
+            decision = self.policy.died(stream)
+            if decision == "fail":
+                ic = self.cfg.ingest
+                self._fail(lease, f"{why}; it died more than ingest.max_restarts={ic.max_restarts} times within "
+                                  f"ingest.restart_window_s={ic.restart_window_s:g} s, also in a process of its own")
+                continue
+            lease.remote.state = "reconnecting"
+            lease.remote.reconnects += 1
+            tail = "; moved to a process of its own (it died too often)" if decision == "isolate" else "; restarting"
+            self._emit(stream, "reconnecting", why + tail)
+            again.append(lease)
+        for lease in again:
+            self._place(lease)
+
+    # -- shutdown -----------------------------------------------------------------------------------------
+    def close(self, timeout: float = 5.0) -> None:
+        """Every process told to exit, joined (killed past `timeout`), every segment unlinked, sockets closed."""
+        if self._closing:
+            return
+        self._closing = True
+        self._submit(("stop", ""))
+        self._thread.join(2.0)
+        t_end = time.monotonic() + timeout
+        for proc in list(self._procs.values()):
+            if proc.ready:
+                self._send(proc, [wire.Exit()])
+        for proc in list(self._procs.values()):
+            proc.handle.join(max(0.1, t_end - time.monotonic()))
+            if proc.handle.is_alive():
+                log.warning("ingest: %s did not exit in time: killed", proc.label)
+                proc.handle.kill()
+                proc.handle.join(2.0)
+            proc.cmd.close(0)
+        self._procs.clear()
+        for lease in list(self._leases.values()):
+            if lease.segment is not None:
+                lease.segment.unlink()
+            lease.ring.on_free = None
+            lease.remote._ended.set()
+        self._up.close(0)
+        self._ctx.term()
+        efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
+        os.close(efd)
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _child_main(*args) -> None:
+    from engine.ingest.process import main
+    main(*args)

@@ -1,0 +1,290 @@
+"""The ingest process: today's IngestThread per stream, writing into slots the core lent it.
+
+Started by the core (client.py) with multiprocessing's forkserver context, `av` and `numpy` preloaded in the
+server, so a child starts in milliseconds and never forks a process that has threads. No torch here: frames
+are numpy arrays copied into the core's shared-memory slots. RemoteRing also takes NVDEC's NV12 CUDA frames
+into a CUDA IPC pool the core exported (wire.CudaSlots, cuda_slots.py; torch is imported only when such a pool
+is attached), but the core does not place NVDEC streams in processes yet (engine/core/stream_table.py
+`_in_process`), and that path has run on the CPU with fakes only.
+
+Threads (vLLM's EngineCoreProc shape): the main thread receives commands (add, remove, slots, credits) and
+sends heartbeats with every stream's state; one IngestThread per stream decodes and writes. The streams'
+threads and the main thread share one PUSH socket under a lock (a send is ~2 us; a thread of its own and a
+queue would cost a wake-up per frame instead). The process exits when the core dies (its parent sentinel).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import wait
+from typing import Any, Optional
+
+import numpy as np
+import zmq
+
+from engine.errors import SourceError
+from engine.frames.ingest import IngestThread
+from engine.frames.lifecycle import FrameMeta
+from engine.ingest import wire
+from engine.ingest.slots import Segment
+
+log = logging.getLogger("vidar.ingest")
+
+
+class _Sender:
+    """The process's one PUSH socket, shared by its threads under a lock."""
+
+    def __init__(self, sock: zmq.Socket):
+        self._sock, self._lock = sock, threading.Lock()
+
+    def __call__(self, msg: Any) -> None:
+        frames = wire.encode(msg)
+        with self._lock:
+            self._sock.send_multipart(frames)
+
+
+class RemoteRing:
+    """The IngestThread's sink in a process: write() copies a frame into a lent slot of the core's segment and
+    sends FrameReady. Live without a credit: the frame is dropped here, before any copy, and counted
+    (ring_full, reported in every FrameReady and StreamState). Offline: waits for a credit, so back-pressure
+    reaches the decoder. A new frame size asks the core for new slots (Geometry) and drops its credits."""
+
+    def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int):
+        self.stream, self.live, self._send, self._max_pixels = stream, live, send, max_frame_pixels
+        self._cond = threading.Condition()
+        self._gen = gen
+        self._credits: deque[int] = deque()
+        self._segment: Optional[Segment] = None
+        self._asked: Optional[tuple[int, int]] = None  # the geometry last asked for
+        self._closed = False
+        self.cuda_ops: Any = None     # tests: a fake of torch.cuda (engine/testing/fake_cuda.py); None: torch.cuda
+        self._cuda: Any = None
+        self._copy_stream: Any = None
+        self.dropped = 0     # dropped at the source (no credit), this lease
+        self.overwrites = 0  # what RingGroup/IngestThread callers read
+
+    # -- commands (the process's main thread) ----------------------------------------------------------------
+    def attach(self, msg: Any) -> None:
+        """The core's slots for the stream's frames: a shared-memory segment (wire.Slots), or a CUDA IPC pool
+        (wire.CudaSlots, NVDEC frames; cuda_slots.py, not run on a GPU yet), opened once here."""
+        if isinstance(msg, wire.CudaSlots):
+            from engine.ingest import cuda_slots  # torch only in a process that has an NVDEC stream
+            if self._cuda is None:
+                self._cuda = cuda_slots.TorchIpc() if self.cuda_ops is None else self.cuda_ops
+                self._copy_stream = self._cuda.Stream()  # the process's copies, off the decoder's stream
+            seg: Any = cuda_slots.AttachedSlots.open(msg, self._cuda)
+        else:
+            seg = Segment(msg.name, msg.count, msg.h, msg.w, create=False)
+        with self._cond:
+            self._segment, self._gen = seg, msg.gen
+            self._credits.clear()  # the core took every lent slot back with this geometry
+            self._cond.notify_all()
+
+    def credit(self, msg: wire.Credit) -> None:
+        with self._cond:
+            if msg.gen == self._gen:  # credits of an older lease or geometry are the core's again
+                self._credits.extend(msg.slots)
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    # -- the stream's IngestThread -------------------------------------------------------------------------
+    def write(self, meta: FrameMeta, frame: Any, stop: Optional[threading.Event] = None, ready: Any = None) -> bool:
+        h, w = self._frame_size(frame, ready)
+        if h * w > self._max_pixels:
+            raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
+                                           "raise it if this stream is really that large")
+        with self._cond:
+            while True:
+                if self._closed:
+                    return False
+                seg = self._segment
+                if seg is None or (seg.h, seg.w) != (h, w):
+                    if self._asked != (h, w):
+                        self._asked = (h, w)
+                        self._segment = seg = None
+                        self._credits.clear()
+                        self._send(wire.Geometry(self.stream, self._gen, h, w))
+                elif self._credits:
+                    slot, gen = self._credits.popleft(), self._gen
+                    break
+                if self.live:
+                    self.dropped += 1  # shed here, before the copy: counted ring_full in the core's ledger
+                    return True
+                self._cond.wait(0.1)
+                if stop is not None and stop.is_set():
+                    return False
+        if isinstance(seg, Segment):
+            np.copyto(seg.array[slot], frame)  # the frame's one copy, into the core's memory
+        else:  # NVDEC: queued on the GPU after `ready` and the core's released[slot]; written[slot] recorded
+            seg.write(slot, frame, ready, self._copy_stream, self._cuda)
+        d = math.inf if not math.isfinite(meta.deadline) else meta.deadline
+        self._send(wire.FrameReady(self.stream, slot, gen, meta.seq, meta.pts, meta.t_capture, meta.t_capture_mono,
+                                   d, meta.decode_s, h, w, tuple(meta.colour), self.dropped, time.monotonic()))
+        return True
+
+
+    def _frame_size(self, frame: Any, ready: Any) -> tuple[int, int]:
+        """(h, w) of an RGB numpy frame (PyAV), or of an NV12 CUDA tensor (NVDEC, with its `ready` event)."""
+        torch = sys.modules.get("torch")  # never imported for this: a frame cannot be a tensor without it
+        if torch is not None and isinstance(frame, torch.Tensor):
+            if frame.dim() == 2 and frame.dtype == torch.uint8 and frame.shape[0] % 3 == 0 and frame.shape[1] % 2 == 0:
+                return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
+            expected = "an NV12 uint8 tensor of (H * 3 // 2, W) with even H and W"
+        elif ready is None and isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.shape[2] == 3 \
+                and frame.dtype == np.uint8:
+            return int(frame.shape[0]), int(frame.shape[1])
+        else:
+            expected = "an HxWx3 uint8 numpy array (rgb24) or an NV12 uint8 CUDA tensor"
+        what = f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__
+        raise SourceError(self.stream, f"decoder produced {what}, expected {expected}")
+
+
+class _Stream(IngestThread):
+    """IngestThread unchanged, plus a final StreamState once it has ended (after its last FrameReady)."""
+
+    def __init__(self, *args, on_end, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on_end = on_end
+
+    def _run(self) -> None:
+        try:
+            super()._run()
+        finally:
+            self._on_end(self)
+
+
+def _state(s: IngestThread, gen: int, final: bool = False) -> wire.StreamState:
+    src = s.source
+    return wire.StreamState(s.stream, gen, s.state, s.failed, s.end_reason, s.total_frames, s.reconnects,
+                            src.decode_errors, s.seq, s.ring.dropped, src.decode_device, src.decode_reason, final)
+
+
+class _Child:
+    def __init__(self, proc: int, send: _Sender):
+        self.proc, self._send = proc, send
+        self.streams: dict[str, tuple[_Stream, int]] = {}  # stream -> (thread, lease gen)
+        self._lock = threading.Lock()
+
+    def add(self, msg: wire.AddStream) -> None:
+        from engine.config import SourceConfig, StreamConfig
+        import streams.sources as sources  # looked up at call time: a test's hook may wrap open_source
+        scfg = StreamConfig.model_validate(msg.config)  # revalidated on arrival: the wire is not trusted blindly
+        src = SourceConfig.model_validate(msg.source)
+        live = scfg.mode == "live"
+        emit = lambda stream, kind, reason: self._send(wire.StreamEvent(stream, kind, reason, msg.gen))  # noqa: E731
+        try:
+            source = sources.open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
+                                         read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=msg.max_frame_pixels,
+                                         decode="cpu")
+        except SourceError as err:  # checked by the core already: a file gone since, say
+            emit(scfg.id, "error", err.reason)
+            self._send(wire.StreamState(scfg.id, msg.gen, "failed", True, f"error: {err.reason}", None, 0, 0,
+                                        msg.start_seq, 0, final=True))
+            return
+        ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels)
+        t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
+                    reconnect_initial_s=src.reconnect_initial_s, reconnect_max_s=src.reconnect_max_s,
+                    backoff_reset_after_s=src.backoff_reset_after_s, on_end=self._ended)
+        t.seq = msg.start_seq  # seq continues across a restart of the process
+        with self._lock:
+            self.streams[scfg.id] = (t, msg.gen)
+        t.start()
+
+    def _ended(self, t: _Stream) -> None:
+        with self._lock:
+            gen = self.streams.pop(t.stream, (None, 0))[1]
+        if t.state != "failed":
+            t.state = "ended"
+        self._send(_state(t, gen, final=True))
+
+    def ring(self, stream: str) -> Optional[RemoteRing]:
+        with self._lock:
+            entry = self.streams.get(stream)
+        return entry[0].ring if entry else None
+
+    def heartbeat(self, gen: int) -> None:
+        self._send(wire.Heartbeat(self.proc, gen, time.monotonic()))
+        with self._lock:
+            entries = list(self.streams.values())
+        for t, g in entries:
+            self._send(_state(t, g))
+
+    def stop_all(self, timeout: float) -> None:
+        with self._lock:
+            entries = list(self.streams.values())
+        for t, _ in entries:
+            t.stop()
+        t_end = time.monotonic() + timeout
+        for t, _ in entries:
+            t.join(max(0.0, t_end - time.monotonic()))
+
+
+def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, imports: list[str]) -> None:
+    """The process's entry point (multiprocessing target)."""
+    # Ctrl-C in a terminal signals the whole process group, and systemd's stop the whole cgroup: an ingest process
+    # that died of it mid-drain was taken for a crash and restarted. The core owns the shutdown: it tells each
+    # process to exit (wire.Exit), and a process whose core is gone exits by itself (the parent watch below).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ingest-{proc} %(levelname)s %(name)s: %(message)s")
+    for name in imports:  # test hooks only (client.TEST_IMPORTS): the product passes none
+        importlib.import_module(name)
+    ctx = zmq.Context()
+    up = ctx.socket(zmq.PUSH)
+    up.setsockopt(zmq.LINGER, 2000)  # the last states of a clean exit reach the core
+    up.connect(up_addr)
+    cmd = ctx.socket(zmq.PULL)
+    cmd.connect(cmd_addr)
+    send = _Sender(up)
+    child = _Child(proc, send)
+    parent = multiprocessing.parent_process()
+    if parent is not None:  # the core died: no one reads our frames; exit now (the streams are the core's)
+        def watch() -> None:
+            wait([parent.sentinel])
+            os._exit(0)
+        threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    send(wire.Ready(proc, gen, os.getpid()))
+    last_beat = 0.0
+    try:
+        while True:
+            now = time.monotonic()
+            if now - last_beat >= heartbeat_s:
+                child.heartbeat(gen)
+                last_beat = now
+            if not cmd.poll(max(1, int((last_beat + heartbeat_s - time.monotonic()) * 1000))):
+                continue
+            msg = wire.decode(cmd.recv_multipart())
+            if isinstance(msg, wire.Exit):
+                break
+            if isinstance(msg, wire.AddStream):
+                child.add(msg)
+            elif isinstance(msg, wire.RemoveStream):
+                entry = child.streams.get(msg.stream)
+                if entry is not None:
+                    entry[0].stop()
+            elif isinstance(msg, (wire.Slots, wire.CudaSlots, wire.Credit)):
+                ring = child.ring(msg.stream)
+                if ring is None:
+                    continue
+                try:
+                    ring.credit(msg) if isinstance(msg, wire.Credit) else ring.attach(msg)
+                except (OSError, RuntimeError, ValueError) as err:  # RuntimeError: a CUDA IPC open that failed  # the segment went (its stream was removed meanwhile): the core knows
+                    log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
+    finally:
+        child.stop_all(timeout=5.0)
+        cmd.close(0)
+        up.close()
+        ctx.term()

@@ -1,0 +1,86 @@
+"""Core-owned shared-memory segments for a ring's slots: one segment per ring and geometry.
+
+Why one segment per ring (the issue said one per process): a stream's frame size can change mid-run, and
+a ring's slots follow it. With a segment per ring a size change is a new segment of the new size with the
+next generation in its name (Frigate #22716 reused a same-name segment at its old size), while frames still
+held in the old one stay valid until released; a per-process segment would need an allocator for slots
+of mixed sizes inside it. Streams are few per process, so the number of segments stays small.
+
+Created with os.open + mmap, not multiprocessing.shared_memory: the children only attach, and nothing
+registers the segment with multiprocessing's resource tracker, which on 3.11 unlinks every segment a
+process attached when that process exits (CPython #82300) -- a child dying would unlink the core's slots.
+Filled with os.posix_fallocate first, so a full /dev/shm is an error here (ENOSPC), not a SIGBUS in a
+writer later (Frigate #949); then prefaulted, since the first touch of a fresh page costs 13-30x a copy.
+Only the core unlinks (`unlink`), when the ring moves to a new geometry or its stream goes.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Optional
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+
+
+class ShmSpaceError(OSError):
+    """/dev/shm cannot hold the slots (ENOSPC at creation, or too small at start)."""
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
+    """Free bytes in /dev/shm. A function of its own so that a test can make /dev/shm small."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def shm_shortfall(needed_bytes: float) -> Optional[str]:
+    """Why /dev/shm cannot hold `needed_bytes` of ring slots (ring.total_memory_mb), or None."""
+    try:
+        free = shm_free_bytes()
+    except OSError as err:
+        return f"ingest processes need {SHM_DIR} for frame slots, and it cannot be read ({err})"
+    if free >= needed_bytes:
+        return None
+    mb = 2 ** 20
+    return (f"ingest processes put frame slots in {SHM_DIR}: ring.total_memory_mb needs {needed_bytes / mb:.0f} MB "
+            f"there but it has {free / mb:.0f} MB free (containers default to 64 MB): run the container with "
+            f"--shm-size={int(needed_bytes / mb) + 64}m (Docker), lower ring.total_memory_mb, or set "
+            "ingest.processes: 0 (decoders as threads in the engine process)")
+
+
+class Segment:
+    """n slots of (h, w, 3) uint8 in one file under /dev/shm; the creator's or an attacher's view."""
+
+    def __init__(self, name: str, count: int, h: int, w: int, *, create: bool):
+        self.name, self.count, self.h, self.w = name, count, h, w
+        self.frame_bytes = h * w * 3
+        size = max(1, count * self.frame_bytes)
+        path = os.path.join(SHM_DIR, name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as err:
+                    os.unlink(path)
+                    raise ShmSpaceError(err.errno, f"{SHM_DIR} has no room for {size / 2 ** 20:.0f} MB of frame slots "
+                                                   f"({name}): raise the container's --shm-size or lower "
+                                                   "ring.total_memory_mb") from None
+            elif os.fstat(fd).st_size < size:  # a stale segment of another size: never read past its end
+                raise ShmSpaceError(0, f"segment {name} is smaller than {count} slots of {w}x{h}")
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.array = np.ndarray((count, h, w, 3), np.uint8, buffer=self._mmap)
+        if create:
+            self.array.fill(0)  # prefault: every page is touched now, not in a writer's first copy
+
+    def unlink(self) -> None:
+        """Remove the name (the core only). Mappings stay valid until their views are gone."""
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass

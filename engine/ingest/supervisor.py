@@ -1,0 +1,91 @@
+"""Ingest process handles, death and hang detection, and the restart policy (pure: no sockets here).
+
+Death is seen by the process's exit (its sentinel, polled by the client's I/O thread), explained by its
+signal or exit code; a process whose heartbeat stopped for `hang_after_s` (stuck in FFmpeg, SIGSTOPped) is
+killed (SIGKILL) and then handled as dead, with "hung" as the reason (Frigate's watchdog: "stuck" is not
+"dead", so heartbeats, not just sentinels). vLLM's MPClient watches sentinels the same way.
+
+Policy (Frigate restarts a capture at most 5 times a minute, then gives up silently; vidar escalates): each
+death counts against every stream the process held. A stream with more than `max_restarts` deaths within
+`restart_window_s` is moved to a process of its own (quarantine: its neighbours stop dying with it); a
+quarantined stream that again exceeds it fails alone, with the reason.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+def exit_reason(exitcode: Optional[int]) -> str:
+    """'killed by SIGKILL' / 'exit code 3' / 'still running'."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+@dataclass(eq=False)
+class IngestProcess:
+    """One ingest process: index, generation (restarts of that index), handle, the streams it owns."""
+    idx: int
+    gen: int
+    handle: Any                      # multiprocessing Process
+    cmd: Any                         # the core's PUSH socket bound for it
+    dedicated: bool = False          # holds one quarantined stream
+    streams: set = field(default_factory=set)
+    pid: Optional[int] = None
+    ready: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    last_beat: float = field(default_factory=time.monotonic)
+    kill_reason: str = ""            # why the core killed it (hung), when it did
+    pending: list = field(default_factory=list)  # commands queued until it is Ready
+
+    @property
+    def label(self) -> str:
+        return f"ingest-{self.idx} (pid {self.pid or self.handle.pid})"
+
+    def hung(self, now: float, hang_after_s: float, start_timeout_s: float) -> Optional[str]:
+        """Why this process counts as hung now, or None."""
+        if not self.ready:
+            if now - self.started_at > start_timeout_s:
+                return f"not ready within ingest.start_timeout_s={start_timeout_s:g} s"
+            return None
+        if now - self.last_beat > hang_after_s:
+            return f"hung: no heartbeat for {now - self.last_beat:.1f} s (ingest.hang_after_s={hang_after_s:g})"
+        return None
+
+
+class RestartPolicy:
+    """Per stream: deaths within the window; decides restart, quarantine, or fail."""
+
+    def __init__(self, max_restarts: int, window_s: float, clock=time.monotonic):
+        self.max_restarts, self.window_s, self._clock = max_restarts, window_s, clock
+        self._deaths: dict[str, deque] = {}
+        self.isolated: set[str] = set()
+
+    def died(self, stream: str) -> str:
+        """'restart' | 'isolate' | 'fail' for a stream whose process just died."""
+        now = self._clock()
+        d = self._deaths.setdefault(stream, deque())
+        d.append(now)
+        while d and now - d[0] > self.window_s:
+            d.popleft()
+        if len(d) <= self.max_restarts:
+            return "restart"
+        d.clear()
+        if stream in self.isolated:
+            return "fail"
+        self.isolated.add(stream)
+        return "isolate"
+
+    def forget(self, stream: str) -> None:
+        self._deaths.pop(stream, None)
+        self.isolated.discard(stream)

@@ -1,0 +1,232 @@
+"""Ingest processes against a running engine (issue 33): frames through a process, a kill -9 under load, a
+segfault, a hang, credit exhausted, /dev/shm too small, a stale descriptor, a stream that keeps dying."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import zmq
+
+from engine.core.engine import Engine
+from engine.errors import ConfigError
+from engine.ingest import client as ingest_client
+from engine.ingest import slots as ingest_slots
+from engine.ingest import wire
+from engine.models.noop import NoopRunner
+from engine.testing.wait import wait_for
+from tests.support.collector import Collector
+from tests.support.engines import engine_config
+
+SYN = "synthetic://shapes?size=64x48&fps=60"
+
+
+def _engine(streams, endpoint, per_frame_s=0.001, **sections):
+    ingest = {"processes": 2, "heartbeat_s": 0.1, "hang_after_s": 1.0, **sections.pop("ingest", {})}
+    cfg = engine_config(streams, endpoint, ingest=ingest, budget={"latency_ms": 1000}, **sections)
+    return Engine(cfg, models={"classify": NoopRunner(per_frame_s=per_frame_s)})
+
+
+def _stop(eng):
+    """Stop the engine and check that no ingest process is left (by the pids it started)."""
+    pids = list(eng.ingest.pids().values()) if eng.ingest else []
+    run = eng.ingest._run if eng.ingest else None
+    eng.stop()
+    assert run is None or not [n for n in os.listdir(ingest_slots.SHM_DIR) if n.startswith(f"vidar-{run}-")]
+    assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                    for p in pids), 10), "an ingest process outlived the engine"
+
+
+def _results(msgs, stream):
+    return [m for m in msgs if m.get("stream") == stream and m["type"] != "event"]
+
+
+def _events(msgs, stream):
+    return [(m["kind"], m.get("reason", "")) for m in msgs if m.get("stream") == stream and m["type"] == "event"]
+
+
+def _balanced(eng):
+    for e in eng.table.snapshot():
+        for name in e.pools:
+            s = eng.pools[name].acct.snapshot(e.id)
+            assert s.ingested == s.published + sum(s.dropped.values()) + sum(s.failed.values()) + s.in_flight, s
+    assert eng.audit() == {}
+
+
+def _proc_of(eng, stream):
+    label = eng.streams[stream].ingest.process  # "ingest-1 (pid 1234)"
+    return int(label.rsplit("pid ", 1)[1].rstrip(")")) if "pid" in label else None
+
+
+@pytest.mark.timeout(60)
+def test_offline_and_live_streams_through_processes(endpoint):
+    """An offline stream publishes every frame in order through its process; a live one at 60 fps publishes
+    what it offers (nothing shed at this load); list says which process decodes each; the ledger balances."""
+    col = Collector(endpoint, ["off", "live"])
+    eng = _engine([{"id": "off", "url": SYN + "&frames=90", "mode": "offline"},
+                   {"id": "live", "url": SYN + "&frames=90"}], endpoint)
+    try:
+        eng.start()
+        assert wait_for(eng.finished, 30)
+        desc = eng.describe()
+        assert desc["off"]["process"].startswith("ingest-") and desc["live"]["process"].startswith("ingest-")
+        assert desc["off"]["process"] != desc["live"]["process"]  # processes: 2, spread
+        _balanced(eng)
+    finally:
+        _stop(eng)
+    msgs = col.wait(10)
+    assert [m["seq"] for m in _results(msgs, "off")] == list(range(90))
+    live = [m["seq"] for m in _results(msgs, "live")]
+    assert live == sorted(live) and len(live) >= 0.9 * 90, len(live)
+
+
+@pytest.mark.timeout(90)
+def test_kill_9_under_load_restarts_only_its_streams(endpoint):
+    """kill -9 of one ingest process: its stream is announced reconnecting naming SIGKILL and runs again in a
+    new process within 5 s with seq continuing; the other process's stream never stops; frames delivered
+    before the kill are published; the ledger balances."""
+    col = Collector(endpoint, ["a", "b"])
+    eng = _engine([{"id": "a", "url": SYN}, {"id": "b", "url": SYN}], endpoint)
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 30 and eng.streams["b"].ingest.seq > 30, 30)
+        pid = _proc_of(eng, "a")
+        assert pid is not None and pid != _proc_of(eng, "b")
+        seq_before = eng.streams["a"].ingest.seq
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: _proc_of(eng, "a") not in (None, pid) and eng.streams["a"].ingest.seq > seq_before + 10,
+                        5.0), "stream a did not run again within 5 s"
+        restarted_s = time.monotonic() - t_kill
+        b_seq = eng.streams["b"].ingest.seq
+        assert wait_for(lambda: eng.streams["b"].ingest.seq > b_seq + 10, 5)
+        eng.control({"op": "remove_stream", "stream": "a"})
+        eng.control({"op": "remove_stream", "stream": "b"})
+        assert wait_for(lambda: not eng.streams, 10)
+        assert eng.audit() == {}
+        assert eng.stream_counters()["ingest"]["restarts"] == 1
+    finally:
+        _stop(eng)
+    msgs = col.wait(10)
+    kinds = _events(msgs, "a")
+    assert any(k == "reconnecting" and "SIGKILL" in r for k, r in kinds), kinds
+    assert not any(k == "reconnecting" for k, _ in _events(msgs, "b"))
+    a = [m["seq"] for m in _results(msgs, "a")]
+    assert a == sorted(a) and a[-1] > seq_before  # seq continued in the new process
+    b = [m["t_capture"] for m in _results(msgs, "b")]
+    # b never stopped: no pause in its results near the kill longer than the time a's restart took
+    gaps = [y - x for x, y in zip(b, b[1:])]
+    assert max(gaps) < max(1.0, restarted_s), max(gaps)
+
+
+@pytest.mark.timeout(120)
+def test_segfaulting_stream_is_quarantined_then_fails_alone(endpoint, monkeypatch):
+    """A source that segfaults its process (a test-only source): reconnecting naming SIGSEGV, restarted;
+    past ingest.max_restarts it is moved to a process of its own, and past that it fails alone with the
+    reason; its neighbour in the first process keeps running."""
+    monkeypatch.setattr(ingest_client, "TEST_IMPORTS", ["tests.support.crashing_source"])
+    col = Collector(endpoint, ["segv"], linger_s=0.5)
+    eng = _engine([{"id": "segv", "url": SYN}, {"id": "ok", "url": SYN}], endpoint,
+                  ingest={"processes": 1, "max_restarts": 1})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["segv"].ingest.failed, 60)
+        ok = eng.streams["ok"].ingest
+        seq = ok.seq
+        assert ok.state == "running" and wait_for(lambda: ok.seq > seq + 10, 5)
+        assert ok.reconnects <= 2  # it died with segv twice before segv was moved out, never after
+        assert eng.stream_counters()["ingest"]["restarts"] == 4
+    finally:
+        _stop(eng)
+    kinds = _events(col.wait(20), "segv")
+    assert any(k == "reconnecting" and "SIGSEGV" in r for k, r in kinds), kinds
+    assert any(k == "reconnecting" and "process of its own" in r for k, r in kinds), kinds
+    assert any(k == "error" and "max_restarts" in r for k, r in kinds), kinds
+
+
+@pytest.mark.timeout(60)
+def test_hung_process_is_killed_and_restarted(endpoint):
+    """SIGSTOP an ingest process: no heartbeat for ingest.hang_after_s -> killed and its stream restarted,
+    announced as hung."""
+    col = Collector(endpoint, ["h"])
+    eng = _engine([{"id": "h", "url": SYN}], endpoint, ingest={"processes": 1})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["h"].ingest.seq > 10, 30)
+        pid = _proc_of(eng, "h")
+        os.kill(pid, signal.SIGSTOP)
+        assert wait_for(lambda: _proc_of(eng, "h") not in (None, pid), 10)
+        seq = eng.streams["h"].ingest.seq
+        assert wait_for(lambda: eng.streams["h"].ingest.seq > seq + 10, 5)
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        _stop(eng)
+    kinds = _events(col.wait(10), "h")
+    assert any(k == "reconnecting" and "hung: no heartbeat" in r for k, r in kinds), kinds
+
+
+@pytest.mark.timeout(60)
+def test_credit_exhausted_live_sheds_at_source_offline_waits(endpoint):
+    """A slow pool holds every slot: the live stream's frames are dropped in its process before any copy,
+    counted ring_full in the core's ledger, which stays exact; the offline stream waits and loses nothing."""
+    col = Collector(endpoint, ["live", "off"])
+    eng = _engine([{"id": "live", "url": SYN + "&frames=120"},
+                   {"id": "off", "url": SYN + "&frames=30", "mode": "offline"}], endpoint, per_frame_s=0.05,
+                  ring={"min_slots": 2, "max_slots": 2})
+    try:
+        eng.start()
+        assert wait_for(eng.finished, 40)
+        live = eng.pools["classify"].acct.snapshot("live")
+        off = eng.pools["classify"].acct.snapshot("off")
+        assert live.dropped.get("ring_full", 0) > 0, live
+        assert live.ingested == 120 and live.ingested == live.published + sum(live.dropped.values()), live
+        assert off.published == 30 and not off.dropped, off
+        _balanced(eng)
+    finally:
+        _stop(eng)
+    msgs = col.wait(10)
+    assert [m["seq"] for m in _results(msgs, "off")] == list(range(30))
+
+
+def test_dev_shm_too_small_is_a_start_error(endpoint, monkeypatch):
+    """/dev/shm smaller than ring.total_memory_mb: the engine refuses to start (exit 2 in `vidar run`), naming
+    the size needed and Docker's --shm-size; nothing is left running."""
+    monkeypatch.setattr(ingest_slots, "shm_free_bytes", lambda path=ingest_slots.SHM_DIR: 64 * 2 ** 20)
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ring={"total_memory_mb": 512})
+    with pytest.raises(ConfigError, match=r"needs 512 MB.*--shm-size"):
+        eng.start()
+    assert eng.ingest is None and eng.state == "stopping" or eng.state == "stopped"
+
+
+@pytest.mark.timeout(60)
+def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
+    """A FrameReady of a generation the stream no longer has (injected on the core's socket, as a dead
+    process's leftover would arrive) is dropped and counted, never committed; one naming a slot that is not
+    lent is refused too; the ledger stays exact."""
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
+        lease = eng.ingest._leases["a"]
+        push.connect(eng.ingest._up_addr)
+        acct = eng.pools["classify"].acct
+        before = eng.stream_counters()["ingest"]
+        stale = wire.FrameReady("a", 0, lease.assign_gen - 1, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
+        forged = wire.FrameReady("a", 10 ** 4, lease.gen, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
+        push.send_multipart(wire.encode(stale))
+        push.send_multipart(wire.encode(forged))
+        push.send_multipart([b"\xff", b"junk"])
+        assert wait_for(lambda: eng.stream_counters()["ingest"]["stale_descriptors"] == before["stale_descriptors"] + 1
+                        and eng.stream_counters()["ingest"]["bad_messages"] == before["bad_messages"] + 2, 5)
+        eng.control({"op": "remove_stream", "stream": "a"})
+        assert wait_for(lambda: not eng.streams, 10)
+        assert eng.audit() == {}
+        assert acct.snapshot("a").ingested == 0  # forgotten; and no result with the injected seq went out
+    finally:
+        push.close(0)
+        _stop(eng)

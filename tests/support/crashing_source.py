@@ -1,0 +1,32 @@
+"""A source that crashes its ingest process on purpose: imported in ingest processes only, through
+engine.ingest.client.TEST_IMPORTS (a test hook; the product never sets it). Streams whose id starts with
+`segv` deliver 10 frames, then the process raises SIGSEGV on itself (as a crash inside FFmpeg would); the
+product's URL parser knows nothing of it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import streams.sources as sources
+from streams.synthetic import SyntheticSource
+
+_open = sources.open_source
+
+
+class _Segfaulting(SyntheticSource):
+    def frames(self):
+        for n, frame in enumerate(super().frames()):
+            if n == 10:
+                os.kill(os.getpid(), signal.SIGSEGV)
+            yield frame
+
+
+def _open_source(stream_id, url, **kwargs):
+    source = _open(stream_id, url, **kwargs)
+    if stream_id.startswith("segv") and isinstance(source, SyntheticSource):
+        source.__class__ = _Segfaulting
+    return source
+
+
+sources.open_source = _open_source
