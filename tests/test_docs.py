@@ -287,3 +287,23 @@ def test_plots_without_results_are_an_error_not_an_empty_image(tmp_path, capsys)
     err = capsys.readouterr().err
     assert "bench_host.json: not readable JSON" in err and "no bench_host*.json" in err
     assert not (tmp_path / "goodput_vs_streams.png").exists()
+
+
+# -- the README: short, and every link of it resolves ----------------------------------------------------
+def test_the_readme_is_short_and_its_links_resolve():
+    """Issue 34: the README is a page (at most ~150 lines) whose links lead somewhere: every relative link
+    names a file of the repository, and a `#anchor` into a docs page names one of its headings."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert links, "the README links to nothing"
+    for link in links:
+        if re.match(r"[a-z]+://", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.exists(), f"README links to {link!r}: {path} does not exist"
+        if anchor:
+            headings = [re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
+                        for h in re.findall(r"^#+\s+(.*)$", target.read_text(), re.M)]
+            assert anchor in headings, f"README links to {link!r}: no heading {anchor!r} in {path}"
