@@ -2,7 +2,7 @@
 
 The ring (ring.py) owns the slots' states, the budget and the accounting; it asks its storage for
 memory only: allocate slot i at h x w, copy a decoded frame in, the tensor a reader reads, free
-slot i. Three implementations:
+slot i. Four implementations:
   * HostSlots: uint8 (H, W, 3) RGB host tensors in ordinary (pageable) memory. CPU-decoded frames (PyAV)
     land here. Never pinned, also on a GPU machine: no upload reads a slot (a runner copies its batch's host
     frames into its own pinned staging buffer, batch_preprocess.py, or `exact` reads them through PIL), so

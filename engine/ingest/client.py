@@ -51,6 +51,8 @@ log = logging.getLogger("vidar.ingest")
 TEST_IMPORTS: list[str] = []
 
 _PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
+#: what an ingest process may send the engine (the up socket); anything else is counted in bad_messages
+_UP = (wire.Ready, wire.Heartbeat, wire.FrameReady, wire.Geometry, wire.StreamEvent, wire.StreamState)
 
 
 def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
@@ -241,8 +243,12 @@ class IngestHub:
             if isinstance(msg, wire.Ready):
                 proc.ready, proc.pid = True, msg.pid
                 for s in proc.streams:
-                    self._leases[s].remote.process = proc.label
+                    if (lease := self._leases.get(s)) is not None:
+                        lease.remote.process = proc.label
                 self._flush(proc)
+            return
+        if not isinstance(msg, _UP):  # a command type sent up (a bug or a forgery): never ours to act on
+            self.bad_messages += 1
             return
         lease = self._leases.get(msg.stream)
         if lease is None or msg.gen < lease.assign_gen:  # a stream gone, or a dead process's leftovers
@@ -376,8 +382,9 @@ class IngestHub:
             proc.streams.discard(lease.stream)
             if proc.dedicated and not proc.streams:
                 self._send(proc, [wire.Exit()])
-        self._leases.pop(lease.stream, None)
-        self.policy.forget(lease.stream)
+        if self._leases.get(lease.stream) is lease:  # never a newer lease of the same id (re-added after a reap)
+            del self._leases[lease.stream]
+            self.policy.forget(lease.stream)
         if lease.remote.state not in ("failed", "ended"):
             lease.remote.state = "ended"
         lease.remote._ended.set()
@@ -421,7 +428,9 @@ class IngestHub:
                      wire.Credit(lease.stream, lease.gen, lease.ring.lend())]
         elif lease.size is not None:
             cmds += self._new_segment(lease, *lease.size)
-        if not lease.remote.failed:
+        if lease.remote.failed:  # its segment could not be made (_new_segment failed it): nothing was sent, so no
+            self._end(lease)     # final state will come from the process; it ends here
+        else:
             self._send(proc, cmds)
 
     def _pick(self, stream: str) -> IngestProcess:
@@ -494,11 +503,15 @@ class IngestHub:
                   len(proc.streams), sorted(proc.streams))
         again = []
         for stream in sorted(proc.streams):
-            lease = self._leases[stream]
+            lease = self._leases.get(stream)
+            if lease is None:
+                continue
             lease.proc = None
             self._pending.forget(stream)  # CUDA copies it queued and never finished: never admitted, counted
             lease.ring.reclaim()  # its lent slots; the frames it delivered stay READY and are published
-            if lease.removing:
+            # removed, failed (a state it sent before dying), or stopped (its ring closed before the removal reached
+            # the inbox): nothing to restart; it ends here rather than waiting for a final state that cannot come
+            if lease.removing or lease.remote.failed or lease.ring.closed:
                 self._end(lease)
                 continue
             why = f"ingest process {proc.label} died ({reason})"

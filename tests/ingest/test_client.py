@@ -191,6 +191,7 @@ def test_credit_exhausted_live_sheds_at_source_offline_waits(endpoint):
     assert [m["seq"] for m in _results(msgs, "off")] == list(range(30))
 
 
+@pytest.mark.timeout(60)
 def test_dev_shm_too_small_is_a_start_error(endpoint, monkeypatch):
     """/dev/shm smaller than ring.total_memory_mb: the engine refuses to start (exit 2 in `vidar run`), naming
     the size needed and Docker's --shm-size; nothing is left running."""
@@ -198,7 +199,7 @@ def test_dev_shm_too_small_is_a_start_error(endpoint, monkeypatch):
     eng = _engine([{"id": "a", "url": SYN}], endpoint, ring={"total_memory_mb": 512})
     with pytest.raises(ConfigError, match=r"needs 512 MB.*--shm-size"):
         eng.start()
-    assert eng.ingest is None and eng.state == "stopping" or eng.state == "stopped"
+    assert eng.ingest is None and eng.state in ("stopping", "stopped")  # no hub, no process left running
 
 
 @pytest.mark.timeout(60)
