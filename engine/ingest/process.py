@@ -178,6 +178,17 @@ class _Child:
         self.streams: dict[str, tuple[_Stream, int]] = {}  # stream -> (thread, lease gen)
         self._lock = threading.Lock()
 
+    def orphaned(self) -> None:
+        """The engine died without unlinking its slots (SIGKILL, a crash): remove the names of the segments this
+        process writes, so a killed engine leaves nothing in /dev/shm. Only here does anyone but the engine
+        unlink: the owner is gone, and the memory goes once the last mapping does."""
+        with self._lock:
+            rings = [t.ring for t, _ in self.streams.values()]
+        for ring in rings:
+            seg = getattr(ring, "_segment", None)
+            if isinstance(seg, Segment):
+                seg.unlink()
+
     def add(self, msg: wire.AddStream) -> None:
         from engine.config import SourceConfig, StreamConfig
         import streams.sources as sources  # looked up at call time: a test's hook may wrap open_source
@@ -254,6 +265,7 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, i
     if parent is not None:  # the core died: no one reads our frames; exit now (the streams are the core's)
         def watch() -> None:
             wait([parent.sentinel])
+            child.orphaned()
             os._exit(0)
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     send(wire.Ready(proc, gen, os.getpid()))

@@ -63,7 +63,9 @@ def test_signal_drains_and_exits_zero(tmp_path, sig):
 
 def test_sigkill_leaves_no_orphans(tmp_path):
     """SIGKILL of the engine: its ingest processes (ingest.processes auto) and multiprocessing's forkserver and
-    resource tracker end by themselves (each watches its parent): nothing is orphaned."""
+    resource tracker end by themselves (each watches its parent): nothing is orphaned, and the shared-memory
+    segments of its slots are not left in /dev/shm (the ingest processes remove their names)."""
+    shm_before = set(os.listdir("/dev/shm"))
     proc, sub = start_engine(tmp_path, streams=2, ingest={"processes": "auto"})
     try:
         children = psutil.Process(proc.pid).children(recursive=True)
@@ -75,3 +77,6 @@ def test_sigkill_leaves_no_orphans(tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert alive == [], f"orphans left by a SIGKILLed engine: {alive}"
     assert not [p for p in psutil.process_iter(["ppid"]) if p.info["ppid"] == proc.pid]
+    left = [n for n in set(os.listdir("/dev/shm")) - shm_before
+            if n.startswith("vidar-") and n.split("-")[2] in ("c0", "c1")]
+    assert left == [], f"segments a SIGKILLed engine left in /dev/shm: {left}"
