@@ -139,7 +139,8 @@ def test_no_message_shape_crashes_the_control_socket(endpoint, curve_keys, with_
     assert eng.control_socket.malformed == 6
     assert "crashed" not in caplog.text and "restarted" not in caplog.text
     lines = [r for r in caplog.records if "refused a malformed request" in r.getMessage()]
-    assert 1 <= len(lines) < 6  # counted every time, logged in aggregate
+    assert lines, "malformed requests were never logged"
+    assert len(lines) < eng.control_socket.malformed  # counted every time, logged in aggregate (not once each)
 
 
 def test_raw_peers_are_closed_on_every_socket_and_silent_clients_on_the_control_socket(endpoint, monkeypatch):
