@@ -225,7 +225,24 @@ def host_frame(h: int, w: int) -> torch.Tensor:
     return torch.empty((h, w, 3), dtype=torch.uint8)
 
 
-class DeviceSlots(SlotStorage):
+class _Nv12Slots:
+    """What NV12 slot storages share: the frame's (h, w) from an (H * 3 // 2, W) tensor, its bytes, the slot count."""
+
+    _tensors: list
+
+    def shape(self, slot: int) -> Optional[tuple[int, int]]:
+        t = self._tensors[slot]
+        return None if t is None else (int(t.shape[0]) * 2 // 3, int(t.shape[1]))
+
+    def nbytes(self, slot: int) -> int:
+        t = self._tensors[slot]
+        return 0 if t is None else t.numel()
+
+    def count(self) -> int:
+        return len(self._tensors)
+
+
+class DeviceSlots(_Nv12Slots, SlotStorage):
     """uint8 (H * 3 // 2, W) NV12 tensors on a CUDA device (the layout NVDEC hands out through DLPack:
     H rows of Y, then H / 2 rows of interleaved U, V), written by a device-to-device copy on this
     storage's own stream, ordered by events (module docstring), never by a host sync.
@@ -307,19 +324,9 @@ class DeviceSlots(SlotStorage):
         self._tensors[slot] = None
         self._ready[slot] = None
 
-    def shape(self, slot: int) -> Optional[tuple[int, int]]:
-        t = self._tensors[slot]
-        return None if t is None else (int(t.shape[0]) * 2 // 3, int(t.shape[1]))
-
-    def nbytes(self, slot: int) -> int:
-        t = self._tensors[slot]
-        return 0 if t is None else t.numel()
-
-    def count(self) -> int:
-        return len(self._tensors)
 
 
-class DeviceSharedSlots(SlotStorage):
+class DeviceSharedSlots(_Nv12Slots, SlotStorage):
     """NV12 slots in a CUDA block the core allocated and exported to an ingest process (engine/ingest/cuda_slots.py,
     issue 33 item 8; NOT RUN ON A GPU YET: tested on the CPU with engine/testing/fake_cuda.py). The ingest process
     writes them; the core only reads them. `map(pool)` points the slots at the ring's current pool, as
@@ -397,16 +404,6 @@ class DeviceSharedSlots(SlotStorage):
         # no memory of its own: the view goes; the pool's block lives while the core's pool object does
         self._tensors[slot] = self._pools[slot] = None
 
-    def shape(self, slot: int) -> Optional[tuple[int, int]]:
-        t = self._tensors[slot]
-        return None if t is None else (int(t.shape[0]) * 2 // 3, int(t.shape[1]))
-
-    def nbytes(self, slot: int) -> int:
-        t = self._tensors[slot]
-        return 0 if t is None else t.numel()
-
-    def count(self) -> int:
-        return len(self._tensors)
 
 
 def storage_for(pixel_format: str, device: Optional[torch.device] = None) -> SlotStorage:
