@@ -362,19 +362,28 @@ class SourceConfig(_Strict):
 
 
 class IngestConfig(_Strict):
-    processes: Union[int, Literal["auto"]] = 0
-    """Where streams are decoded: 0 = one thread per stream in the engine process (the default for now: under
-    descriptor exhaustion libzmq's ipc listener aborts the engine process, see docs/concepts.md); N = up to
-    N ingest processes, streams spread over them (least loaded first); `auto` = up to max(1, usable cores - 1)
-    processes, a new one started only when every running one holds `streams_per_process` streams (so
-    min(ceil(streams / streams_per_process), max(1, cores - 1))); the start log says the rule. Frames cross by
-    reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. Streams that may decode with NVDEC
-    (decode auto/cuda on a CUDA machine) and streams feeding several pools stay threads in the engine process."""
+    processes: Union[int, Literal["auto"]] = "auto"
+    """Where streams are decoded: `auto` = in ingest processes, up to max(2, usable cores), a new one started only
+    when every running one holds `streams_per_process` streams (so min(ceil(streams / streams_per_process),
+    max(2, cores))); N = up to N ingest processes, streams spread over them (least loaded first); 0 = one thread
+    per stream in the engine process (all streams share its GIL). The start log says the rule. Why up to one
+    process per core and not one fewer: each process's streams share that process's GIL, and on 2 cores two
+    processes published every frame of 48 x 240p60 where one shed a tenth (benchmarks/RESULTS.md). Frames cross
+    by reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. Streams that may decode with
+    NVDEC (decode auto/cuda on a CUDA machine) and streams feeding several pools stay threads in the engine
+    process."""
     streams_per_process: int = Field(8, ge=1, le=256)
     """The most streams `auto` puts in one ingest process before starting another (a stated cap, not a hard one:
     beyond the process limit streams go to the least loaded process)."""
     start_timeout_s: float = Field(20.0, gt=0)
-    """An ingest process that has not said it is ready within this long is killed and its streams placed again."""
+    """An ingest process that has not said it is ready within this long is killed and its streams placed again;
+    a stream for which no process can be started (the engine out of descriptors) is retried every second for this
+    long, then fails with the reason."""
+    nice: int = Field(10, ge=0, le=19)
+    """Added to the ingest processes' nice value: when the cores are short the engine process (the scheduler,
+    workers and publisher, holding frames already decoded and copied) runs first, and the ingest falls behind and
+    sheds instead. 0: the same priority. Measured on 2 cores at 48 x 720p60: 1,040-1,092 frames/s published with
+    5 or 10 against 958 with 0 (benchmarks/RESULTS.md)."""
     heartbeat_s: float = Field(0.25, gt=0, le=10)
     """How often an ingest process reports that it is alive, with its streams' states."""
     hang_after_s: float = Field(3.0, gt=0, le=600)

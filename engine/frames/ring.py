@@ -346,14 +346,16 @@ class FrameRing:
     def lend(self) -> list[int]:
         """FREE slots below the limit -> WRITING, lent to the remote writer. Live, when none is free and the
         writer holds none: the oldest READY frame is dropped (ring_full) and its slot lent, which keeps
-        freshest-first as write()'s overwrite does. Offline: only free slots (the writer waits for them)."""
+        freshest-first as write()'s overwrite does, but only while another READY frame stays for the scheduler:
+        the frame just committed is never dropped before the core could take it (the writer sheds its next
+        frame at the source instead, counted). Offline: only free slots (the writer waits for them)."""
         with self._cond:
             if self._closed or not self._state:
                 return []
             out = [i for i in range(self._limit) if self._state[i] is SlotState.FREE]
             if not out and self.live and SlotState.WRITING not in self._state[:self._limit]:
                 usable = [j for j in self._ready_order if j < self._limit]
-                if usable:
+                if len(usable) >= 2:
                     i = usable[0]
                     self._ready_order.remove(i)
                     self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)

@@ -20,6 +20,8 @@ restart, quarantine or fail).
 
 from __future__ import annotations
 
+import errno
+import itertools
 import logging
 import math
 import multiprocessing
@@ -59,8 +61,8 @@ def resolve_processes(processes: int | str, streams: int, streams_per_process: i
     """(the most general ingest processes, the rule said in the start log)."""
     if processes != "auto":
         return int(processes), f"ingest.processes={processes}"
-    cap = max(1, cores - 1)
-    return cap, (f"ingest.processes=auto: up to max(1, usable cores - 1) = {cap} processes, a new one started when "
+    cap = max(2, cores)  # a process's streams share its GIL: see IngestConfig.processes
+    return cap, (f"ingest.processes=auto: up to max(2, usable cores) = {cap} processes, a new one started when "
                  f"every running one holds ingest.streams_per_process={streams_per_process} streams "
                  f"({streams} configured now -> {min(cap, max(1, math.ceil(streams / streams_per_process)))})")
 
@@ -113,6 +115,9 @@ class _Lease:
     dropped_seen: int = 0
     next_seq: int = 0
     removing: bool = False
+    unplaced_since: Optional[float] = None  # no process could be started for it (out of descriptors): retried
+    segment_retry: Optional[tuple[int, int, float, float]] = None  # (h, w, since, next try): no fd for a segment
+    retry_at: float = 0.0
 
     @property
     def stream(self) -> str:
@@ -132,16 +137,23 @@ class IngestHub:
         self._mp = multiprocessing.get_context("forkserver")
         self._mp.set_forkserver_preload(_PRELOAD)
         self._ctx = zmq.Context()
+        # The engine binds nothing here: each ingest process binds its two endpoints and the engine connects. A
+        # listener in the engine would accept on every connection, and libzmq's ipc listener aborts the process
+        # when accept() fails with EMFILE (src/ipc_listener.cpp:297: a descriptor flood on the control port killed
+        # the engine); a connecter that cannot get a descriptor just retries (ipc_connecter.cpp).
         self._up = self._ctx.socket(zmq.PULL)
         self._up.setsockopt(zmq.RCVHWM, 100_000)
         self._up.setsockopt(zmq.LINGER, 0)
-        self._up_addr = f"ipc://{self._dir}/up"
-        self._up.bind(self._up_addr)
+        self._up.setsockopt(zmq.RECONNECT_IVL, 10)  # a new process's endpoint appears within ms of its start
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._inbox: deque = deque()            # ("add" | "remove" | "credit", stream) from other threads
         self._leases: dict[str, _Lease] = {}    # the I/O thread's, but for add (before it is submitted)
         self._procs: dict[int, IngestProcess] = {}
         self._gens: dict[int, int] = {}
+        # Lease generations come from one counter for the whole hub, never per lease: a stream removed and added
+        # again under the same id starts above every generation its old lease used, so a leftover of the old
+        # one still in a socket can never pass for the new one's.
+        self._lease_gens = itertools.count(1)
         self.policy = RestartPolicy(ic.max_restarts, ic.restart_window_s)
         self._pending = PendingFrames()  # CUDA IPC frames whose copy is not done yet (none for host slots)
         self.stale_descriptors = 0   # FrameReady of a dead or superseded generation: dropped, never committed
@@ -169,6 +181,11 @@ class IngestHub:
             os.eventfd_write(self._efd, 1)
         except OSError:  # closed: the hub is shutting down
             pass
+
+    def connect_up(self, endpoint: str) -> None:
+        """Read `endpoint` (bound by someone else) as if an ingest process sent on it: tests inject forged and
+        stale messages this way. Applied by the I/O thread, the socket's one user."""
+        self._submit(("connect", endpoint))
 
     def health(self) -> Optional[str]:
         """Why ingest cannot go on (its I/O thread died), or None; the core checks it every step."""
@@ -287,6 +304,8 @@ class IngestHub:
         # the core is woken once per drained batch, not per frame (its Condition.notify was 15 us of GIL a frame)
         if lease.ring.commit(msg.slot, meta, notify=False):
             self._to_wake = lease.ring
+            if lease.remote.state == "starting":  # its first frame: running now, not at the next heartbeat
+                lease.remote.state = "running"
             lease.next_seq = max(lease.next_seq, msg.seq + 1)
             lease.remote.seq = lease.next_seq
             return True
@@ -333,9 +352,13 @@ class IngestHub:
         name = f"vidar-{self._run}-{lease.stream}-{lease.segments_made}"
         try:
             seg = Segment(name, n, h, w, create=True)
-        except (ShmSpaceError, OSError) as err:
-            self._fail(lease, f"no shared memory for its frames: {err}")
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE) and not isinstance(err, ShmSpaceError):
+                self._short_of_descriptors(lease, h, w, err)  # a flood of connections, say: retried
+            else:
+                self._fail(lease, f"no shared memory for its frames: {err}")
             return []
+        lease.segment_retry = None
         try:
             lease.ring.set_geometry(h, w, seg)
         except SourceError as err:
@@ -345,9 +368,23 @@ class IngestHub:
         old, lease.segment = lease.segment, seg
         if old is not None:
             old.unlink()  # its frames still held stay mapped until released
-        lease.gen += 1
+        lease.gen = next(self._lease_gens)
         return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen,
                                                                                 lease.ring.lend())]
+
+    def _short_of_descriptors(self, lease: _Lease, h: int, w: int, err: OSError) -> None:
+        """A segment needs a descriptor for a moment, and the engine has none left: retried every second (the
+        stream's frames meanwhile are shed at the source, counted); past ingest.start_timeout_s it fails."""
+        now, limit = time.monotonic(), self.cfg.ingest.start_timeout_s
+        since = lease.segment_retry[2] if lease.segment_retry else now
+        if now - since > limit:
+            lease.segment_retry = None
+            self._fail(lease, f"no shared memory for its frames: {err} (for {limit:g} s, ingest.start_timeout_s)")
+            return
+        if lease.segment_retry is None:
+            log.warning("stream %s: no descriptor left to make its frame slots (%s): retrying every second for up "
+                        "to ingest.start_timeout_s=%g s", lease.stream, err, limit)
+        lease.segment_retry = (h, w, since, now + 1.0)
 
     def _top_up(self, stream: str) -> None:
         lease = self._leases.get(stream)
@@ -393,6 +430,9 @@ class IngestHub:
         credit: set[str] = set()
         while self._inbox:
             what, stream = self._inbox.popleft()
+            if what == "connect":  # connect_up: `stream` is an endpoint here
+                self._up.connect(stream)
+                continue
             lease = self._leases.get(stream)
             if lease is None:
                 continue
@@ -410,11 +450,16 @@ class IngestHub:
 
     # -- placement and processes --------------------------------------------------------------------------
     def _place(self, lease: _Lease) -> None:
-        proc = self._pick(lease.stream)
+        try:
+            proc = self._pick(lease.stream)
+        except (zmq.ZMQError, OSError) as err:  # EMFILE (a descriptor flood), EAGAIN (no process left)
+            self._unplaced(lease, err)
+            return
+        lease.unplaced_since = None
         lease.proc = proc
         proc.streams.add(lease.stream)
         lease.remote.process = proc.label
-        lease.gen += 1
+        lease.gen = next(self._lease_gens)
         lease.assign_gen = lease.gen
         lease.dropped_seen = 0
         lease.ring.reclaim()
@@ -433,6 +478,20 @@ class IngestHub:
         else:
             self._send(proc, cmds)
 
+    def _unplaced(self, lease: _Lease, err: BaseException) -> None:
+        """No process could be started for the stream: retried every second (the I/O thread goes on, and so do
+        the other streams); past ingest.start_timeout_s it fails with the reason."""
+        now, limit = time.monotonic(), self.cfg.ingest.start_timeout_s
+        why = f"no ingest process could be started for it: {type(err).__name__}: {err}"
+        if lease.unplaced_since is None:
+            lease.unplaced_since = now
+            log.warning("stream %s: %s; retrying every second for up to ingest.start_timeout_s=%g s",
+                        lease.stream, why, limit)
+        if now - lease.unplaced_since > limit:
+            self._fail(lease, why)
+        else:
+            lease.retry_at = now + 1.0
+
     def _pick(self, stream: str) -> IngestProcess:
         if stream in self.policy.isolated:
             return self._start(dedicated=True)
@@ -444,18 +503,26 @@ class IngestHub:
         return self._start(dedicated=False)
 
     def _start(self, dedicated: bool) -> IngestProcess:
+        """A new ingest process (raises zmq.ZMQError or OSError when the engine is out of descriptors or
+        processes; the caller retries the placement)."""
         idx = next(i for i in range(len(self._procs) + 1) if i not in self._procs)
         gen = self._gens[idx] = self._gens.get(idx, -1) + 1
+        up_addr, cmd_addr = f"ipc://{self._dir}/u{idx}-{gen}", f"ipc://{self._dir}/c{idx}-{gen}"
         cmd = self._ctx.socket(zmq.PUSH)
-        cmd.setsockopt(zmq.SNDHWM, 100_000)
-        cmd.setsockopt(zmq.LINGER, 0)
-        addr = f"ipc://{self._dir}/c{idx}-{gen}"
-        cmd.bind(addr)
-        ic = self.cfg.ingest
-        handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
-                                  args=(idx, gen, self._up_addr, addr, ic.heartbeat_s, list(TEST_IMPORTS)))
-        handle.start()
-        proc = IngestProcess(idx, gen, handle, cmd, dedicated=dedicated)
+        try:
+            cmd.setsockopt(zmq.SNDHWM, 100_000)
+            cmd.setsockopt(zmq.LINGER, 0)
+            cmd.setsockopt(zmq.RECONNECT_IVL, 10)
+            cmd.connect(cmd_addr)
+            ic = self.cfg.ingest
+            handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
+                                      args=(idx, gen, up_addr, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
+            handle.start()
+        except BaseException:
+            cmd.close(0)
+            raise
+        self._up.connect(up_addr)
+        proc = IngestProcess(idx, gen, handle, cmd, up_addr, dedicated=dedicated)
         self._procs[idx] = proc
         log.info("ingest: started %s%s", proc.label, " for one stream (quarantine)" if dedicated else "")
         return proc
@@ -477,6 +544,17 @@ class IngestHub:
 
     def _supervise(self, now: float) -> None:
         ic = self.cfg.ingest
+        for lease in [x for x in self._leases.values() if x.unplaced_since is not None and x.proc is None]:
+            if lease.removing or lease.ring.closed:
+                self._end(lease)
+            elif now >= lease.retry_at:
+                self._place(lease)
+        for lease in [x for x in self._leases.values() if x.segment_retry is not None]:
+            h, w, _, at = lease.segment_retry
+            if lease.proc is None or lease.removing or lease.ring.closed:
+                lease.segment_retry = None
+            elif now >= at:
+                self._send(lease.proc, self._new_segment(lease, h, w))
         for proc in list(self._procs.values()):
             if proc.ready and proc.pending:
                 self._flush(proc)
@@ -491,8 +569,14 @@ class IngestHub:
 
     def _died(self, proc: IngestProcess) -> None:
         reason = proc.kill_reason or exit_reason(proc.handle.exitcode)
+        for stream in self._drain_up():  # what it sent before dying is committed first (its frames are published)
+            self._top_up(stream)
         self._procs.pop(proc.idx, None)
         proc.cmd.close(0)
+        try:
+            self._up.disconnect(proc.up_addr)  # else libzmq retries the dead endpoint every 10 ms for ever
+        except zmq.ZMQError:
+            pass
         proc.handle.join(0)
         if not proc.streams:
             if not (self._closing or proc.dedicated):

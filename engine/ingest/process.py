@@ -106,8 +106,9 @@ class RemoteRing:
         if h * w > self._max_pixels:
             raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
                                            "raise it if this stream is really that large")
-        with self._cond:
-            while True:
+        while True:
+            ask = None
+            with self._cond:
                 if self._closed:
                     return False
                 seg = self._segment
@@ -116,16 +117,19 @@ class RemoteRing:
                         self._asked = (h, w)
                         self._segment = seg = None
                         self._credits.clear()
-                        self._send(wire.Geometry(self.stream, self._gen, h, w))
+                        ask = wire.Geometry(self.stream, self._gen, h, w)
                 elif self._credits:
                     slot, gen = self._credits.popleft(), self._gen
                     break
-                if self.live:
-                    self.dropped += 1  # shed here, before the copy: counted ring_full in the core's ledger
-                    return True
-                self._cond.wait(0.1)
-                if stop is not None and stop.is_set():
-                    return False
+                if ask is None:
+                    if self.live:
+                        self.dropped += 1  # shed here, before the copy: counted ring_full in the core's ledger
+                        return True
+                    self._cond.wait(0.1)
+                    if stop is not None and stop.is_set():
+                        return False
+            if ask is not None:  # sent without the condition held: a send that blocks holds up only this stream
+                self._send(ask)
         if isinstance(seg, Segment):
             np.copyto(seg.array[slot], frame)  # the frame's one copy, into the core's memory
         else:  # NVDEC: queued on the GPU after `ready` and the core's released[slot]; written[slot] recorded
@@ -201,9 +205,7 @@ class _Child:
                                          read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=msg.max_frame_pixels,
                                          decode="cpu")
         except SourceError as err:  # checked by the core already: a file gone since, say
-            emit(scfg.id, "error", err.reason)
-            self._send(wire.StreamState(scfg.id, msg.gen, "failed", True, f"error: {err.reason}", None, 0, 0,
-                                        msg.start_seq, 0, final=True))
+            self.refuse(msg, err.reason)
             return
         ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels)
         t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
@@ -213,6 +215,14 @@ class _Child:
         with self._lock:
             self.streams[scfg.id] = (t, msg.gen)
         t.start()
+
+    def refuse(self, msg: wire.AddStream, reason: str) -> None:
+        """The stream cannot run here: its error event, then its final state (failed)."""
+        with self._lock:
+            self.streams.pop(msg.stream, None)
+        self._send(wire.StreamEvent(msg.stream, "error", reason, msg.gen))
+        self._send(wire.StreamState(msg.stream, msg.gen, "failed", True, f"error: {reason}", None, 0, 0,
+                                    msg.start_seq, 0, final=True))
 
     def _ended(self, t: _Stream) -> None:
         with self._lock:
@@ -243,22 +253,26 @@ class _Child:
             t.join(max(0.0, t_end - time.monotonic()))
 
 
-def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, imports: list[str]) -> None:
+def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, nice: int, imports: list[str]) -> None:
     """The process's entry point (multiprocessing target)."""
     # Ctrl-C in a terminal signals the whole process group, and systemd's stop the whole cgroup: an ingest process
     # that died of it mid-drain was taken for a crash and restarted. The core owns the shutdown: it tells each
     # process to exit (wire.Exit), and a process whose core is gone exits by itself (the parent watch below).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if nice:  # the core first: it holds frames already paid for (see IngestConfig.nice)
+        os.nice(nice)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ingest-{proc} %(levelname)s %(name)s: %(message)s")
     for name in imports:  # test hooks only (client.TEST_IMPORTS): the product passes none
         importlib.import_module(name)
     ctx = zmq.Context()
+    # this process binds and the engine connects (never the other way: see client.IngestHub)
     up = ctx.socket(zmq.PUSH)
     up.setsockopt(zmq.LINGER, 2000)  # the last states of a clean exit reach the core
-    up.connect(up_addr)
+    up.setsockopt(zmq.SNDHWM, 100_000)
+    up.bind(up_addr)
     cmd = ctx.socket(zmq.PULL)
-    cmd.connect(cmd_addr)
+    cmd.bind(cmd_addr)
     send = _Sender(up)
     child = _Child(proc, send)
     parent = multiprocessing.parent_process()
@@ -282,7 +296,11 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, i
             if isinstance(msg, wire.Exit):
                 break
             if isinstance(msg, wire.AddStream):
-                child.add(msg)
+                try:
+                    child.add(msg)
+                except Exception as err:  # noqa: BLE001 -- one stream's bad add (a config that no longer
+                    # validates, a thread that cannot start) fails that stream, never the process and its others
+                    child.refuse(msg, f"cannot start in ingest-{proc}: {type(err).__name__}: {err}")
             elif isinstance(msg, wire.RemoveStream):
                 entry = child.streams.get(msg.stream)
                 if entry is not None:

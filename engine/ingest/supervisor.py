@@ -38,7 +38,8 @@ class IngestProcess:
     idx: int
     gen: int
     handle: Any                      # multiprocessing Process
-    cmd: Any                         # the core's PUSH socket bound for it
+    cmd: Any                         # the core's PUSH socket, connected to the process's command endpoint
+    up_addr: str                     # the endpoint it binds for what it sends (the core's PULL connects to it)
     dedicated: bool = False          # holds one quarantined stream
     streams: set = field(default_factory=set)
     pid: Optional[int] = None

@@ -203,7 +203,7 @@ def test_dev_shm_too_small_is_a_start_error(endpoint, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
+def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint, tmp_path):
     """A FrameReady of a generation the stream no longer has (injected on the core's socket, as a dead
     process's leftover would arrive) is dropped and counted, never committed; one naming a slot that is not
     lent is refused too; the ledger stays exact."""
@@ -214,7 +214,8 @@ def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
         eng.start()
         assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
         lease = eng.ingest._leases["a"]
-        push.connect(eng.ingest._up_addr)
+        push.bind(f"ipc://{tmp_path}/forger")  # as an ingest process does; the engine connects to it
+        eng.ingest.connect_up(f"ipc://{tmp_path}/forger")
         acct = eng.pools["classify"].acct
         before = eng.stream_counters()["ingest"]
         stale = wire.FrameReady("a", 0, lease.assign_gen - 1, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
@@ -231,3 +232,113 @@ def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
     finally:
         push.close(0)
         _stop(eng)
+
+
+def _emfile(times):
+    """A callable that raises EMFILE `times` times (as os.open or a socket does with no descriptor left)."""
+    import errno
+    left = [times]
+
+    def short(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+    return short, left
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("what", ["process", "segment"])
+def test_no_descriptor_left_is_retried_and_the_stream_runs(endpoint, monkeypatch, what):
+    """The engine out of descriptors (a flood of connections) when a stream is placed: starting its process or
+    making its segment fails with EMFILE twice; the engine stays up, retries every second, and the stream then
+    runs (its frames published); the other stream never stopped."""
+    short, left = _emfile(2)
+    col = Collector(endpoint, ["a"])
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 5, 30)
+        if what == "segment":  # the next segment made (b's) fails twice
+            real_seg = ingest_client.Segment
+            monkeypatch.setattr(ingest_client, "Segment", lambda *a, **k: short() or real_seg(*a, **k))
+        else:  # b needs a new process: its start fails twice
+            real = ingest_client.IngestHub._start
+            monkeypatch.setattr(ingest_client.IngestHub, "_start", lambda self, dedicated: short() or real(self, dedicated))
+            monkeypatch.setattr(eng.ingest, "max_procs", 2)
+        eng.control({"op": "add_stream", "stream": {"id": "b", "url": SYN}})
+        assert wait_for(lambda: left[0] == 0, 10)
+        seq_a = eng.streams["a"].ingest.seq
+        assert wait_for(lambda: "b" in eng.streams and eng.streams["b"].ingest.seq > 5, 15), eng.describe().get("b")
+        assert eng.streams["a"].ingest.seq > seq_a and eng.dead_reason is None
+        _balanced(eng)
+    finally:
+        _stop(eng)
+    assert _results(col.wait(5), "a")
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_whose_process_never_starts_fails_alone_with_the_reason(endpoint, monkeypatch):
+    """EMFILE at every try: past ingest.start_timeout_s the stream fails with the reason (an error event), the
+    engine and its other stream go on."""
+    short, _ = _emfile(10 ** 6)
+    real = ingest_client.IngestHub._start
+    col = Collector(endpoint, ["b"])
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1, "start_timeout_s": 2})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 5, 30)
+        monkeypatch.setattr(eng.ingest, "max_procs", 2)  # b needs a new process, which never starts
+        monkeypatch.setattr(ingest_client.IngestHub, "_start", lambda self, dedicated: short() or real(self, dedicated))
+        eng.control({"op": "add_stream", "stream": {"id": "b", "url": SYN}})
+        seq_a = eng.streams["a"].ingest.seq
+        assert wait_for(lambda: eng.streams["b"].ingest.failed, 15)
+        assert eng.streams["a"].ingest.seq > seq_a and eng.dead_reason is None
+    finally:
+        _stop(eng)
+    events = _events(col.wait(5), "b")
+    assert any(k == "error" and "no ingest process could be started for it" in r and "Too many open files" in r
+               for k, r in events), events
+
+
+@pytest.mark.timeout(60)
+def test_ingest_processes_run_at_a_lower_priority(endpoint):
+    """ingest.nice is added to the processes' nice value (the engine process keeps its own)."""
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1, "nice": 7})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 5, 30)
+        pid = _proc_of(eng, "a")
+        assert psutil.Process(pid).nice() == min(19, psutil.Process().nice() + 7)
+    finally:
+        _stop(eng)
+
+
+def test_auto_starts_up_to_one_process_per_core_and_at_least_two():
+    assert ingest_client.resolve_processes("auto", 48, 8, 2)[0] == 2
+    assert ingest_client.resolve_processes("auto", 48, 8, 1)[0] == 2
+    assert ingest_client.resolve_processes("auto", 48, 8, 16)[0] == 16
+    assert ingest_client.resolve_processes(3, 48, 8, 16)[0] == 3
+    assert "-> 6)" in ingest_client.resolve_processes("auto", 48, 8, 16)[1]
+
+
+@pytest.mark.timeout(60)
+def test_an_unexpected_error_adding_a_stream_fails_that_stream_not_its_process(endpoint, monkeypatch):
+    """A bug in a stream's start inside the process (a RuntimeError, not a SourceError): that stream fails with
+    the error named; the process and its other stream run on (no restart)."""
+    monkeypatch.setattr(ingest_client, "TEST_IMPORTS", ["tests.support.crashing_source"])
+    col = Collector(endpoint, ["boom"])
+    eng = _engine([{"id": "ok", "url": SYN}], endpoint, ingest={"processes": 1})
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["ok"].ingest.seq > 5, 30)
+        pid = _proc_of(eng, "ok")
+        eng.control({"op": "add_stream", "stream": {"id": "boom", "url": SYN}})
+        assert wait_for(lambda: eng.streams["boom"].ingest.failed, 15)
+        seq = eng.streams["ok"].ingest.seq
+        assert wait_for(lambda: eng.streams["ok"].ingest.seq > seq + 5, 5)
+        assert _proc_of(eng, "ok") == pid and eng.stream_counters()["ingest"]["restarts"] == 0
+        _balanced(eng)
+    finally:
+        _stop(eng)
+    events = _events(col.wait(5), "boom")
+    assert any(k == "error" and "RuntimeError: a bug in a decoder's open, on purpose" in r for k, r in events), events

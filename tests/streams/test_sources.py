@@ -19,6 +19,21 @@ def test_synthetic_is_deterministic_and_moving():
     assert f.shape == (120, 160, 3) and f.dtype == np.uint8
 
 
+@pytest.mark.parametrize("size", ["1280x720", "320x240", "17x16", "16x300"])
+def test_synthetic_frames_repaint_one_buffer_into_exactly_render(size):
+    """frames() repaints only where the shapes were (one reused, read-only buffer); every frame equals
+    render(n), which paints a fresh copy of the background, for 200 frames of motion."""
+    src = SyntheticSource("s", f"synthetic://shapes?size={size}&fps=60&seed=5&frames=200")
+    ref = SyntheticSource("s", f"synthetic://shapes?size={size}&fps=60&seed=5")
+    bufs = set()
+    for n, f in enumerate(src.frames()):
+        assert np.array_equal(f.rgb, ref.render(n)), n
+        bufs.add(f.rgb.__array_interface__["data"][0])
+        with pytest.raises(ValueError, match="read-only"):
+            f.rgb[0, 0, 0] = 1
+    assert len(bufs) == 1
+
+
 def test_synthetic_finite_stream():
     s = SyntheticSource("s", "synthetic://shapes?size=64x48&fps=10&frames=7")
     s.open()

@@ -1,7 +1,8 @@
 """A source that crashes its ingest process on purpose: imported in ingest processes only, through
 engine.ingest.client.TEST_IMPORTS (a test hook; the product never sets it). Streams whose id starts with
-`segv` deliver 10 frames, then the process raises SIGSEGV on itself (as a crash inside FFmpeg would); the
-product's URL parser knows nothing of it."""
+`segv` deliver 10 frames, then the process raises SIGSEGV on itself (as a crash inside FFmpeg would); streams
+whose id starts with `boom` raise a RuntimeError (not a SourceError) when opened. The product's URL parser knows
+nothing of either."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class _Segfaulting(SyntheticSource):
 
 
 def _open_source(stream_id, url, **kwargs):
+    if stream_id.startswith("boom"):
+        raise RuntimeError("a bug in a decoder's open, on purpose")
     source = _open(stream_id, url, **kwargs)
     if stream_id.startswith("segv") and isinstance(source, SyntheticSource):
         source.__class__ = _Segfaulting

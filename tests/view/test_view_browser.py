@@ -287,7 +287,10 @@ def test_all_streams_page_shows_frames_results_and_stats(browser, classify):
     assert browser.find_element(By.CSS_SELECTOR, "[data-stream='a'] .caption").is_displayed()  # top1: new per frame
     for sid in ("a", "b"):
         tile = browser.find_element(By.CSS_SELECTOR, f"[data-stream='{sid}']")
-        assert tile.get_attribute("data-state") == "running"
+        # the state comes once a second: in an ingest process a stream's first frames can reach the page before
+        # the state message that says it runs (a thread said so before its first frame)
+        assert wait_for(lambda: tile.get_attribute("data-state") == "running", DEADLINE_S, 0.1), \
+            tile.get_attribute("data-state")
         assert tile.find_element(By.CSS_SELECTOR, ".state").text == "running"
         rates = wait_for(lambda: re.search(r"in (\d+\.\d) fps · out (\d+\.\d) fps",
                                            tile.find_element(By.CSS_SELECTOR, ".pool .rates").text), DEADLINE_S, 0.1)

@@ -1,0 +1,56 @@
+"""FrameRing's remote API under live overload (issue 33): lending a slot never drops the frame just committed."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections import Counter
+
+import pytest
+
+from engine.frames.accounting import Accounting
+from engine.frames.lifecycle import DropReason, FrameMeta
+from engine.frames.ring import FrameRing
+from engine.frames.storage import SharedHostSlots
+from engine.ingest.slots import Segment
+
+pytestmark = pytest.mark.timeout(30)
+H, W = 16, 16
+
+
+@pytest.fixture
+def ring():
+    acct = Accounting("classify")
+    r = FrameRing("cam", live=True, accounting=acct, memory_bytes=3 * H * W * 3, min_slots=3, max_slots=3,
+                  max_frame_pixels=10 ** 6, storage=SharedHostSlots())
+    acct.add_holder("ring", lambda: Counter({"cam": r.ready()}))
+    seg = Segment(f"vidar-test-{secrets.token_hex(4)}-cam-1", r.slots_needed(H, W), H, W, create=True)
+    r.set_geometry(H, W, seg)
+    yield r, acct
+    r.close()
+    seg.unlink()
+
+
+def _commit(r, slot, seq):
+    assert r.commit(slot, FrameMeta("cam", seq, seq / 60, time.time(), deadline=math.inf, height=H, width=W))
+
+
+def test_a_full_live_ring_lends_the_oldest_of_two_ready_frames_never_the_only_one(ring):
+    r, acct = ring
+    slots = r.lend()
+    assert len(slots) == 3
+    _commit(r, slots[0], 0)
+    held = r.take_ready()  # the scheduler took frame 0: its slot stays claimed
+    _commit(r, slots[1], 1)
+    _commit(r, slots[2], 2)
+    # no slot free, the writer holds none, two frames READY: the older (1) goes (ring_full), its slot is lent
+    assert r.lend() == [slots[1]]
+    assert acct.snapshot("cam").dropped.get(DropReason.RING_FULL.value, 0) == 1
+    _commit(r, slots[1], 3)
+    [f2] = r.take_ready(1)  # frame 2 taken; frame 3 is the only READY one
+    assert f2.meta.seq == 2
+    # nothing free and one READY frame, the one just committed: it stays for the scheduler, nothing is lent
+    assert r.lend() == []
+    assert acct.snapshot("cam").dropped.get(DropReason.RING_FULL.value, 0) == 1
+    assert [f.meta.seq for f in r.take_ready()] == [3]
