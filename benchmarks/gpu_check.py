@@ -210,7 +210,9 @@ def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: i
         "models": {"classify": {"name": VIT, "weights": "random", "max_batch": max_batch, "device": DEVICE}},
         "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": free_endpoint()},
         "ring": {"min_slots": 2, "max_slots": 8}, "metrics": {"enabled": False}, "control": {"enabled": False},
-        "view": {"enabled": False}}, cuda_available=True)
+        # threads, as NVDEC streams are on the device (they stay in the engine process): the dry run on the CPU
+        # then takes the device's path, not the ingest processes' (which bench_host measures)
+        "view": {"enabled": False}, "ingest": {"processes": 0}}, cuda_available=True)
     eng = Engine(cfg)
     t_start = time.perf_counter()
     eng.start()

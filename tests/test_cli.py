@@ -211,5 +211,5 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     # to give a number.)
     offline = [x for x in lines if x["part"] == "sam2_offline"]
     assert [(x["streams"], x["tracking_graphs"], x["max_batch"]) for x in offline] == \
-        [(1, True, 4), (2, True, 4), (2, False, 4), (2, True, 2)], offline
+        [(1, True, 4), (2, False, 2)], offline  # the device runs 8 streams four ways; the dry run each knob once
     assert offline[0]["ms_per_stream_frame"] > 0 and all(x["graphed_steps"] == 0 for x in offline)

@@ -43,6 +43,7 @@ from engine.frames.lifecycle import FrameMeta
 from engine.frames.ring import FrameRing
 from engine.ingest import wire
 from engine.ingest.cuda_slots import PendingFrames
+from engine.ingest import slots as ingest_slots
 from engine.ingest.slots import Segment, ShmSpaceError
 from engine.ingest.supervisor import IngestProcess, RestartPolicy, exit_reason
 
@@ -171,6 +172,9 @@ class IngestHub:
         remote = RemoteIngest(self, source, ring, scfg.mode == "live")
         size = getattr(source, "frame_size", None)
         lease = _Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None)
+        # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
+        # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
+        lease.gen = lease.assign_gen = next(self._lease_gens)
         ring.on_free = lambda s=scfg.id: self._submit(("credit", s))
         self._leases[scfg.id] = lease
         return remote
@@ -500,7 +504,13 @@ class IngestHub:
         spp = self.cfg.ingest.streams_per_process
         if least is not None and (len(general) >= self.max_procs or (self._auto and len(least.streams) < spp)):
             return least
-        return self._start(dedicated=False)
+        try:
+            return self._start(dedicated=False)
+        except (zmq.ZMQError, OSError) as err:
+            if least is None:
+                raise
+            log.warning("ingest: cannot start another process (%s): stream %s goes to %s", err, stream, least.label)
+            return least
 
     def _start(self, dedicated: bool) -> IngestProcess:
         """A new ingest process (raises zmq.ZMQError or OSError when the engine is out of descriptors or
@@ -508,7 +518,7 @@ class IngestHub:
         idx = next(i for i in range(len(self._procs) + 1) if i not in self._procs)
         gen = self._gens[idx] = self._gens.get(idx, -1) + 1
         up_addr, cmd_addr = f"ipc://{self._dir}/u{idx}-{gen}", f"ipc://{self._dir}/c{idx}-{gen}"
-        cmd = self._ctx.socket(zmq.PUSH)
+        cmd, handle = self._ctx.socket(zmq.PUSH), None
         try:
             cmd.setsockopt(zmq.SNDHWM, 100_000)
             cmd.setsockopt(zmq.LINGER, 0)
@@ -518,10 +528,13 @@ class IngestHub:
             handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
                                       args=(idx, gen, up_addr, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
             handle.start()
+            self._up.connect(up_addr)
         except BaseException:
             cmd.close(0)
+            if handle is not None and handle.pid is not None:  # started, but not ours to supervise: ended here
+                handle.kill()
+                handle.join(2.0)
             raise
-        self._up.connect(up_addr)
         proc = IngestProcess(idx, gen, handle, cmd, up_addr, dedicated=dedicated)
         self._procs[idx] = proc
         log.info("ingest: started %s%s", proc.label, " for one stream (quarantine)" if dedicated else "")
@@ -544,12 +557,15 @@ class IngestHub:
 
     def _supervise(self, now: float) -> None:
         ic = self.cfg.ingest
-        for lease in [x for x in self._leases.values() if x.unplaced_since is not None and x.proc is None]:
+        # list() first: the core thread inserts into _leases (add), and a comprehension over the live view could
+        # see it change size mid-iteration
+        leases = list(self._leases.values())
+        for lease in [x for x in leases if x.unplaced_since is not None and x.proc is None]:
             if lease.removing or lease.ring.closed:
                 self._end(lease)
             elif now >= lease.retry_at:
                 self._place(lease)
-        for lease in [x for x in self._leases.values() if x.segment_retry is not None]:
+        for lease in [x for x in leases if x.segment_retry is not None]:
             h, w, _, at = lease.segment_retry
             if lease.proc is None or lease.removing or lease.ring.closed:
                 lease.segment_retry = None
@@ -569,9 +585,15 @@ class IngestHub:
 
     def _died(self, proc: IngestProcess) -> None:
         reason = proc.kill_reason or exit_reason(proc.handle.exitcode)
-        for stream in self._drain_up():  # what it sent before dying is committed first (its frames are published)
-            self._top_up(stream)
+        # what it sent before dying is committed first (its frames are published): all of it, since a disconnect
+        # discards what is unread; bytes still in the kernel's buffer are lost (a seq gap, docs/concepts.md)
+        touched: set[str] = set()
+        while (got := self._drain_up()):
+            touched |= got
         self._procs.pop(proc.idx, None)
+        for stream in touched:  # never a credit for the dead process: its slots are reclaimed below
+            if (lease := self._leases.get(stream)) is not None and lease.proc is not proc:
+                self._top_up(stream)
         proc.cmd.close(0)
         try:
             self._up.disconnect(proc.up_addr)  # else libzmq retries the dead endpoint every 10 ms for ever
@@ -638,11 +660,20 @@ class IngestHub:
                 lease.segment.unlink()
             lease.ring.on_free = None
             lease.remote._ended.set()
+        for name in _segments_of(self._run):  # one whose creation failed half-way, or a lease never ended
+            Segment.remove(name)
         self._up.close(0)
         self._ctx.term()
         efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
         os.close(efd)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _segments_of(run: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(ingest_slots.SHM_DIR) if n.startswith(f"vidar-{run}-")]
+    except OSError:
+        return []
 
 
 def _child_main(*args) -> None:

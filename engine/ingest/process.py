@@ -89,6 +89,12 @@ class RemoteRing:
             self._credits.clear()  # the core took every lent slot back with this geometry
             self._cond.notify_all()
 
+    def attach_failed(self, gen: int) -> None:
+        """The slots of `gen` could not be opened here: the next frame asks for slots again, under that gen."""
+        with self._cond:
+            self._segment, self._gen, self._asked = None, gen, None
+            self._credits.clear()
+
     def credit(self, msg: wire.Credit) -> None:
         with self._cond:
             if msg.gen == self._gen:  # credits of an older lease or geometry are the core's again
@@ -207,26 +213,34 @@ class _Child:
         except SourceError as err:  # checked by the core already: a file gone since, say
             self.refuse(msg, err.reason)
             return
-        ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels)
-        t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
-                    reconnect_initial_s=src.reconnect_initial_s, reconnect_max_s=src.reconnect_max_s,
-                    backoff_reset_after_s=src.backoff_reset_after_s, on_end=self._ended)
-        t.seq = msg.start_seq  # seq continues across a restart of the process
-        with self._lock:
-            self.streams[scfg.id] = (t, msg.gen)
-        t.start()
+        try:
+            ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels)
+            t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
+                        reconnect_initial_s=src.reconnect_initial_s, reconnect_max_s=src.reconnect_max_s,
+                        backoff_reset_after_s=src.backoff_reset_after_s, on_end=self._ended)
+            t.seq = msg.start_seq  # seq continues across a restart of the process
+            with self._lock:
+                self.streams[scfg.id] = (t, msg.gen)
+            t.start()
+        except BaseException:  # the caller fails the stream; its opened decoder is not left behind
+            source.close()
+            raise
 
     def refuse(self, msg: wire.AddStream, reason: str) -> None:
         """The stream cannot run here: its error event, then its final state (failed)."""
         with self._lock:
-            self.streams.pop(msg.stream, None)
+            if self.streams.get(msg.stream, (None, None))[1] == msg.gen:  # its own entry, never an older one's
+                del self.streams[msg.stream]
         self._send(wire.StreamEvent(msg.stream, "error", reason, msg.gen))
         self._send(wire.StreamState(msg.stream, msg.gen, "failed", True, f"error: {reason}", None, 0, 0,
                                     msg.start_seq, 0, final=True))
 
     def _ended(self, t: _Stream) -> None:
         with self._lock:
-            gen = self.streams.pop(t.stream, (None, 0))[1]
+            entry = self.streams.get(t.stream)
+            if entry is not None and entry[0] is t:  # a newer add of the same id keeps its entry
+                del self.streams[t.stream]
+            gen = t.ring._gen
         if t.state != "failed":
             t.state = "ended"
         self._send(_state(t, gen, final=True))
@@ -313,6 +327,7 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, n
                     ring.credit(msg) if isinstance(msg, wire.Credit) else ring.attach(msg)
                 except (OSError, RuntimeError, ValueError) as err:  # RuntimeError: a CUDA IPC open that failed  # the segment went (its stream was removed meanwhile): the core knows
                     log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
+                    ring.attach_failed(msg.gen)
     finally:
         child.stop_all(timeout=5.0)
         cmd.close(0)

@@ -65,13 +65,16 @@ class Segment:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as err:
-                    os.unlink(path)
                     raise ShmSpaceError(err.errno, f"{SHM_DIR} has no room for {size / 2 ** 20:.0f} MB of frame slots "
                                                    f"({name}): raise the container's --shm-size or lower "
                                                    "ring.total_memory_mb") from None
             elif os.fstat(fd).st_size < size:  # a stale segment of another size: never read past its end
                 raise ShmSpaceError(0, f"segment {name} is smaller than {count} slots of {w}x{h}")
-            self._mmap = mmap.mmap(fd, size)
+            self._mmap = mmap.mmap(fd, size)  # dups fd (Python keeps a descriptor per mapping): EMFILE possible
+        except BaseException:
+            if create:  # never a half-made segment left in /dev/shm (its creator failed: nobody else knows it)
+                Segment.remove(name)
+            raise
         finally:
             os.close(fd)
         self.array = np.ndarray((count, h, w, 3), np.uint8, buffer=self._mmap)
@@ -80,7 +83,11 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name (the core only). Mappings stay valid until their views are gone."""
+        Segment.remove(self.name)
+
+    @staticmethod
+    def remove(name: str) -> None:
         try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
+            os.unlink(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
             pass
