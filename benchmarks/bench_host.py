@@ -211,13 +211,31 @@ class CrossingProbe:
     capture stamp (a paced source's due time) instead: the same crossing plus the ingest's own wake-up
     lateness and copy, an upper bound in both modes. A write stamp of 0 (not set) is counted apart."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, hub=None) -> None:
+        """`hub`: the engine's IngestHub (processes mode): the crossing is also split at its commit (the hub's
+        `_commit`, wrapped like `add`): `hop` = ingest write -> the core's I/O thread commits the descriptor,
+        `in_core` = that commit -> the scheduler (the core's wake-up and step)."""
         self.on, self.values, self.since_capture, self.unstamped, self.stamp = False, [], [], 0, None
+        self.hop, self.in_core, self._committed = [], [], {}
         add = pool.scheduler.add
+        if hub is not None:  # processes: the crossing split at the core's I/O thread taking the descriptor
+            commit = hub._commit
+
+            def probed_commit(lease, msg):
+                if self.on and msg.t_written:
+                    now = time.monotonic()
+                    self.hop.append(now - msg.t_written)
+                    if len(self._committed) < 100_000:  # bounded: a frame never scheduled leaves its entry
+                        self._committed[(msg.stream, msg.seq)] = now
+                return commit(lease, msg)
+            hub._commit = probed_commit
 
         def probed(fv, *args, **kwargs):
             if self.on:
                 now, meta = time.monotonic(), fv.meta
+                t_commit = self._committed.pop((meta.stream, meta.seq), None)
+                if t_commit is not None:
+                    self.in_core.append(now - t_commit)
                 t_written = getattr(meta, "t_written", None) or meta.extra.get("t_written")
                 if t_written is not None and not math.isfinite(t_written):  # written in the engine process
                     t_written = None
@@ -236,6 +254,9 @@ class CrossingProbe:
         v, c = sorted(self.values), sorted(self.since_capture)
         out = {f"crossing_p{q}_ms": round(pct(v, q) * 1e3, 3) for q in (50, 99)}
         out.update({f"capture_to_scheduler_p{q}_ms": round(pct(c, q) * 1e3, 3) for q in (50, 99)})
+        # processes: the hop (ingest write -> the core's I/O thread) and in-core (its commit -> the scheduler)
+        for name, vals in (("hop", sorted(self.hop)), ("in_core", sorted(self.in_core))):
+            out.update({f"{name}_p{q}_ms": round(pct(vals, q) * 1e3, 3) for q in (50, 99)} if vals else {})
         return {**out, "crossing_max_ms": round(v[-1] * 1e3, 3) if v else math.nan, "crossing_frames": len(v),
                 "crossing_unstamped": self.unstamped, "crossing_from": self.stamp}
 
@@ -341,7 +362,7 @@ def run_engine(sc: dict) -> dict:
     t0 = time.monotonic()
     try:
         eng.start()
-        probe = CrossingProbe(eng.pools["noop"])
+        probe = CrossingProbe(eng.pools["noop"], getattr(eng, "ingest", None))
         t_started = time.monotonic()
         first_frames_s = wait_first_frames(eng, sc["streams"], sc.get("first_frames_timeout_s", 30.0))
         time.sleep(sc["warmup_s"])
@@ -610,6 +631,7 @@ def summarize(record: dict) -> None:
     gil = {(r["scenario"], r["mode"]): r["gil"] for r in record["rows"] if r["pass"] == "gil" and "gil" in r}
     keys = ("published_fps", "ingested_fps", "published_over_ingested", "published_over_offered", "cpu_cores",
             "cpu_us_per_published", "crossing_p50_ms", "crossing_p99_ms", "capture_to_scheduler_p99_ms",
+            "hop_p99_ms", "in_core_p99_ms",
             "latency_p99_ms")
     comparison: dict[str, dict] = {}
     for name in dict.fromkeys(r["scenario"] for r in timing):
@@ -717,11 +739,12 @@ def print_report(record: dict) -> None:
     print(f"\nengine: {record['engine_file']} (commit {record['commit']}); {record['cpus']} CPUs "
           f"({record['cpu_model']}); skipped: {record['skipped_modes'] or 'nothing'}")
     print("\nmedians per scenario and mode; CPU us per published frame by role; x = crossing, ingest write -> "
-          "scheduler (* the core's commit stamp: a lower bound); cap = capture -> scheduler (an upper bound);\n"
+          "scheduler (* the core's commit stamp: a lower bound), split (processes) into hop = write -> the core's "
+          "commit and core = commit -> scheduler;\ncap = capture -> scheduler (an upper bound); "
           "GIL = the engine process's GIL-held share (--gil runs); P/T = published/s, processes / threads")
     print(f"{'scenario':<18}{'mode':<10}{'n':>2}{'publ/s':>8}{'pub/ing':>8}{'cpu us':>7}"
           + "".join(f"{c[:9]:>10}" for c in ROLE_COLS)
-          + f"{'x p50ms':>8}{'x p99ms':>9}{'cap p99':>8}{'GIL':>6}{'P/T':>6}")
+          + f"{'x p50ms':>8}{'x p99ms':>9}{'hop p99':>8}{'core p99':>9}{'cap p99':>8}{'GIL':>6}{'P/T':>6}")
     for name, entry in record["comparison"].items():
         for mode in MODES:
             e = entry.get(mode)
@@ -734,6 +757,7 @@ def print_report(record: dict) -> None:
                   f"{fmt(e['published_over_ingested'], '.3f'):>8}{fmt(e['cpu_us_per_published']):>7}"
                   + "".join(f"{fmt(roles.get(c)):>10}" for c in ROLE_COLS)
                   + f"{fmt(e['crossing_p50_ms'], '.2f'):>8}{fmt(e['crossing_p99_ms'], '.2f'):>8}{star}"
+                  f"{fmt(e['hop_p99_ms'], '.2f'):>8}{fmt(e['in_core_p99_ms'], '.2f'):>9}"
                   f"{fmt(e['capture_to_scheduler_p99_ms'], '.2f'):>8}{fmt(e['gil_held_share'], '.2f'):>6}{ratio:>6}")
     print("\nissue 33's targets (met: every run)")
     for t in record["targets"]:

@@ -95,7 +95,9 @@ class FrameRing:
         self.tap: Optional[Callable[..., Any]] = None
         # A remote writer's client (engine/ingest/client.py): told, outside the lock, that a slot was freed, so
         # it lends it back as a credit. None for an in-process writer (it finds free slots itself).
-        self.on_free: Optional[Callable[[], None]] = None
+        # a remote writer's lender (engine/ingest/client.py): called after a release with whether the writer
+        # still holds a lent slot (then the lender need not wake for this one)
+        self.on_free: Optional[Callable[[bool], None]] = None
 
     # -- producer side -------------------------------------------------------------------
     def reserve_for(self, h: int, w: int) -> None:
@@ -318,8 +320,11 @@ class FrameRing:
             if shape is not None and shape != self._shape and not self._closed:
                 self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
             self._cond.notify_all()
-        if self.on_free is not None:
-            self.on_free()
+            on_free = self.on_free
+            # the remote writer still holds a lent slot: its next descriptor wakes the lender anyway
+            held = on_free is not None and SlotState.WRITING in self._state[:self._limit]
+        if on_free is not None:
+            on_free(held)
 
     # -- remote writer (engine/ingest): slots change owner by message, never under a lock the writer shares --
     def slots_needed(self, h: int, w: int) -> int:

@@ -1,12 +1,13 @@
 """The core side of the ingest processes: one I/O thread, the streams' leases, RemoteIngest per stream.
 
-The I/O thread ("ingest-io") owns every socket: a PULL the core binds for what the processes send (frames,
-events, states, heartbeats; one socket, so each process's messages arrive in its order: a stream's eos
-state comes after its last frame), and one PUSH per process for commands. It sleeps in a zmq.Poller on
-that PULL and an os.eventfd, which the rings' release (`FrameRing.on_free`) and the core thread's
-add/remove write to: a freed slot is lent back as a credit within one wake-up, and no socket is touched
-by another thread. Each wake-up drains descriptors in bulk and commits them to the rings (the ring's
-critical section that write() had), then tops up credits, then checks the processes (supervisor.py):
+The I/O thread ("ingest-io") owns every socket: a PULL connected to every process's endpoint for what the
+processes send (frames, events, states, heartbeats; each process's messages arrive in its order: a stream's
+eos state comes after its last frame), and one PUSH per process for commands. It sleeps in a zmq.Poller on
+that PULL and an os.eventfd, which the core thread's add/remove write to, and the rings' release
+(`FrameRing.on_free`) when the stream's process holds no lent slot (else the process's next FrameReady wakes
+the thread anyway): a freed slot is lent back as a credit within one wake-up, and no socket is touched by
+another thread. Each wake-up drains descriptors in bulk and commits them to the rings (the ring's critical
+section that write() had), then tops up credits, one message per process, then checks the processes (supervisor.py):
 their exits are polled here every 50 ms (Process.is_alive, a waitpid) rather than registered in the
 poller, which would need rebuilding at every restart for a gain of at most 50 ms of the 5 s promised.
 
@@ -175,12 +176,16 @@ class IngestHub:
         # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
         # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
         lease.gen = lease.assign_gen = next(self._lease_gens)
-        ring.on_free = lambda s=scfg.id: self._submit(("credit", s))
+        # a freed slot is lent back at the I/O thread's next wake-up; it wakes for it only when the process holds
+        # no lent slot of the stream (else its next FrameReady wakes it: one wake-up a frame fewer)
+        ring.on_free = lambda held, s=scfg.id: self._submit(("credit", s), wake=not held)
         self._leases[scfg.id] = lease
         return remote
 
-    def _submit(self, item: tuple[str, str]) -> None:
+    def _submit(self, item: tuple[str, str], wake: bool = True) -> None:
         self._inbox.append(item)
+        if not wake:
+            return
         try:
             os.eventfd_write(self._efd, 1)
         except OSError:  # closed: the hub is shutting down
@@ -229,8 +234,7 @@ class IngestHub:
                     self._to_wake.notify()
                     self._to_wake = None
                 credit |= self._apply_inbox()
-                for stream in credit:
-                    self._top_up(stream)
+                self._top_up(credit)
                 now = time.monotonic()
                 if now >= next_check:
                     self._supervise(now)
@@ -243,11 +247,11 @@ class IngestHub:
         touched: set[str] = set()
         for _ in range(4096):  # bounded: commands and supervision are not starved by a flood
             try:
-                frames = self._up.recv_multipart(zmq.NOBLOCK)
+                data = self._up.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             try:
-                msg = wire.decode(frames)
+                msg = wire.decode(data)
             except wire.WireError as err:
                 self.bad_messages += 1
                 log.warning("ingest: dropped a message that is not ours: %s", err)
@@ -390,13 +394,18 @@ class IngestHub:
                         "to ingest.start_timeout_s=%g s", lease.stream, err, limit)
         lease.segment_retry = (h, w, since, now + 1.0)
 
-    def _top_up(self, stream: str) -> None:
-        lease = self._leases.get(stream)
-        if lease is None or lease.proc is None or lease.segment is None:
-            return
-        slots = lease.ring.lend()
-        if slots:
-            self._send(lease.proc, [wire.Credit(stream, lease.gen, slots)])
+    def _top_up(self, streams: set[str]) -> None:
+        """Lend the streams' free slots: one Credits message per process (one send, not one per stream)."""
+        out: dict[int, tuple[IngestProcess, list[wire.Credit]]] = {}
+        for stream in streams:
+            lease = self._leases.get(stream)
+            if lease is None or lease.proc is None or lease.segment is None:
+                continue
+            slots = lease.ring.lend()
+            if slots:
+                out.setdefault(lease.proc.idx, (lease.proc, []))[1].append(wire.Credit(stream, lease.gen, slots))
+        for proc, credits in out.values():
+            self._send(proc, [credits[0] if len(credits) == 1 else wire.Credits(credits)])
 
     def _fail(self, lease: _Lease, reason: str) -> None:
         r = lease.remote
@@ -550,7 +559,7 @@ class IngestHub:
     def _flush(self, proc: IngestProcess) -> None:
         while proc.pending:
             try:
-                proc.cmd.send_multipart(wire.encode(proc.pending[0]), zmq.NOBLOCK)
+                proc.cmd.send(wire.encode(proc.pending[0]), zmq.NOBLOCK)
             except zmq.Again:
                 return
             proc.pending.pop(0)
@@ -591,9 +600,8 @@ class IngestHub:
         while (got := self._drain_up()):
             touched |= got
         self._procs.pop(proc.idx, None)
-        for stream in touched:  # never a credit for the dead process: its slots are reclaimed below
-            if (lease := self._leases.get(stream)) is not None and lease.proc is not proc:
-                self._top_up(stream)
+        # never a credit for the dead process: its slots are reclaimed below
+        self._top_up({s for s in touched if (lease := self._leases.get(s)) is not None and lease.proc is not proc})
         proc.cmd.close(0)
         try:
             self._up.disconnect(proc.up_addr)  # else libzmq retries the dead endpoint every 10 ms for ever

@@ -47,9 +47,9 @@ class _Sender:
         self._sock, self._lock = sock, threading.Lock()
 
     def __call__(self, msg: Any) -> None:
-        frames = wire.encode(msg)
+        data = wire.encode(msg)
         with self._lock:
-            self._sock.send_multipart(frames)
+            self._sock.send(data)
 
 
 class RemoteRing:
@@ -267,6 +267,42 @@ class _Child:
             t.join(max(0.0, t_end - time.monotonic()))
 
 
+def _commands(child: _Child, cmd: zmq.Socket, proc: int) -> bool:
+    """Apply every command waiting (a wake-up each would cost a poll and a GIL retake per message). True: exit."""
+    for _ in range(1024):  # bounded: the heartbeat goes out between batches
+        try:
+            msg = wire.decode(cmd.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return False
+        if isinstance(msg, wire.Exit):
+            return True
+        if isinstance(msg, wire.AddStream):
+            try:
+                child.add(msg)
+            except Exception as err:  # noqa: BLE001 -- one stream's bad add (a config that no longer
+                # validates, a thread that cannot start) fails that stream, never the process and its others
+                child.refuse(msg, f"cannot start in ingest-{proc}: {type(err).__name__}: {err}")
+        elif isinstance(msg, wire.RemoveStream):
+            entry = child.streams.get(msg.stream)
+            if entry is not None:
+                entry[0].stop()
+        elif isinstance(msg, wire.Credits):
+            for c in msg.credits:
+                if (ring := child.ring(c.stream)) is not None:
+                    ring.credit(c)
+        elif isinstance(msg, (wire.Slots, wire.CudaSlots, wire.Credit)):
+            ring = child.ring(msg.stream)
+            if ring is None:
+                continue
+            try:
+                ring.credit(msg) if isinstance(msg, wire.Credit) else ring.attach(msg)
+            except (OSError, RuntimeError, ValueError) as err:  # the segment went (its stream was removed
+                # meanwhile: the core knows), or a CUDA IPC open failed (RuntimeError)
+                log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
+                ring.attach_failed(msg.gen)
+    return False
+
+
 def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, nice: int, imports: list[str]) -> None:
     """The process's entry point (multiprocessing target)."""
     # Ctrl-C in a terminal signals the whole process group, and systemd's stop the whole cgroup: an ingest process
@@ -306,28 +342,8 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, n
                 last_beat = now
             if not cmd.poll(max(1, int((last_beat + heartbeat_s - time.monotonic()) * 1000))):
                 continue
-            msg = wire.decode(cmd.recv_multipart())
-            if isinstance(msg, wire.Exit):
+            if _commands(child, cmd, proc):
                 break
-            if isinstance(msg, wire.AddStream):
-                try:
-                    child.add(msg)
-                except Exception as err:  # noqa: BLE001 -- one stream's bad add (a config that no longer
-                    # validates, a thread that cannot start) fails that stream, never the process and its others
-                    child.refuse(msg, f"cannot start in ingest-{proc}: {type(err).__name__}: {err}")
-            elif isinstance(msg, wire.RemoveStream):
-                entry = child.streams.get(msg.stream)
-                if entry is not None:
-                    entry[0].stop()
-            elif isinstance(msg, (wire.Slots, wire.CudaSlots, wire.Credit)):
-                ring = child.ring(msg.stream)
-                if ring is None:
-                    continue
-                try:
-                    ring.credit(msg) if isinstance(msg, wire.Credit) else ring.attach(msg)
-                except (OSError, RuntimeError, ValueError) as err:  # RuntimeError: a CUDA IPC open that failed  # the segment went (its stream was removed meanwhile): the core knows
-                    log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
-                    ring.attach_failed(msg.gen)
     finally:
         child.stop_all(timeout=5.0)
         cmd.close(0)

@@ -223,9 +223,9 @@ def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
         before = eng.stream_counters()["ingest"]
         stale = wire.FrameReady("a", 0, lease.assign_gen - 1, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
         forged = wire.FrameReady("a", 10 ** 4, lease.gen, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
-        push.send_multipart(wire.encode(stale))
-        push.send_multipart(wire.encode(forged))
-        push.send_multipart([b"\xff", b"junk"])
+        push.send(wire.encode(stale))
+        push.send(wire.encode(forged))
+        push.send(b"\xffjunk")
         assert wait_for(lambda: eng.stream_counters()["ingest"]["stale_descriptors"] == before["stale_descriptors"] + 1
                         and eng.stream_counters()["ingest"]["bad_messages"] == before["bad_messages"] + 2, 5)
         eng.control({"op": "remove_stream", "stream": "a"})

@@ -54,3 +54,24 @@ def test_a_full_live_ring_lends_the_oldest_of_two_ready_frames_never_the_only_on
     assert r.lend() == []
     assert acct.snapshot("cam").dropped.get(DropReason.RING_FULL.value, 0) == 1
     assert [f.meta.seq for f in r.take_ready()] == [3]
+
+
+def test_a_release_tells_the_lender_whether_the_writer_still_holds_a_lent_slot(ring):
+    """The ingest I/O thread wakes for a freed slot only when the writer holds no lent slot of the stream (its
+    next FrameReady wakes it otherwise): the flag it decides on is computed under the ring's lock."""
+    r, _ = ring
+    calls = []
+    r.on_free = calls.append
+    slots = r.lend()
+    _commit(r, slots[0], 0)
+    [f0] = r.take_ready()
+    r.release(f0.slot)
+    assert calls == [True]  # slots 1 and 2 are still lent: the writer has credit
+    _commit(r, slots[1], 1)
+    _commit(r, slots[2], 2)
+    frames = r.take_ready()
+    assert r.lend() == [slots[0]]  # the freed slot goes back to the writer
+    _commit(r, slots[0], 3)
+    for f in frames:
+        r.release(f.slot)
+    assert calls == [True, False, False]  # nothing lent any more: the lender must wake

@@ -110,12 +110,12 @@ def test_blackhole_mid_stream_and_at_connect(server, endpoint):
 
 
 def test_port_closed_backs_off_to_the_cap_quietly(endpoint, caplog):
-    """Connection refused for 24 s with the cap at 8 s (the default 30 s cap shows the same shape over
-    ~90 s: 0.5, 1, 2, ... capped; 24 s reach the cap twice and keep `make test` short)."""
+    """Connection refused for 12 s, from 0.25 s with the cap at 4 s (the defaults, 0.5 s and a 30 s cap, show
+    the same shape over ~90 s: 0.5, 1, 2, ... capped; 12 s reach the cap twice and keep `make test` short)."""
     port = free_port()  # nothing listens: connection refused all along
-    cap, window = 8.0, 24.0
+    cap, window = 4.0, 12.0
     cfg = engine_config([{"id": "cam", "url": f"rtsp://admin:s3cret@127.0.0.1:{port}/x", "mode": "live"}], endpoint,
-                        source={"reconnect_max_s": cap})
+                        source={"reconnect_initial_s": 0.25, "reconnect_max_s": cap})
     eng = Engine(cfg, models={"classify": NoopRunner()})
     proc = psutil.Process()
     with caplog.at_level(logging.INFO):
@@ -131,7 +131,7 @@ def test_port_closed_backs_off_to_the_cap_quietly(endpoint, caplog):
     assert cap * 0.8 <= max(pauses) <= cap * 1.2  # the backoff reached the cap (with jitter)
     assert all(b >= a * 1.3 or b >= cap * 0.8 for a, b in zip(pauses, pauses[1:]))  # exponential until the cap
     assert all(g <= p + 0.5 for g, p in zip(gaps, pauses))  # attempts follow the schedule
-    assert len(ingest.attempts) <= 8  # 0, 0.5, 1.5, 3.5, 7.5, 15.5, 23.5 s (+-20 % jitter)
+    assert len(ingest.attempts) <= 8  # 0, 0.25, 0.75, 1.75, 3.75, 7.75, 11.75 s (+-20 % jitter)
     assert cpu < 0.1 * window  # idle while waiting
     lines = [r for r in caplog.records if "cam" in r.getMessage() and "connect" in r.getMessage()]
     assert len(lines) <= 2  # aggregated (one line per 30 s): not a line per attempt

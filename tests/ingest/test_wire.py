@@ -1,0 +1,76 @@
+"""The core <-> ingest process messages (engine/ingest/wire.py) and how credits travel: one frame a message, and
+one Credits message per process for every stream lent slots in one wake-up of the core's I/O thread."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from engine.ingest import client as ingest_client
+from engine.ingest import process as ingest_process
+from engine.ingest import wire
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_a_message_is_one_frame_and_anything_else_is_a_wire_error():
+    ready = wire.FrameReady("cam", 2, 7, 41, 0.68, 1.7e9, 12.5, 12.6, 0.002, 48, 64, ("bt709", "limited"), 3, 12.4)
+    credits = wire.Credits([wire.Credit("a", 5, [0, 1]), wire.Credit("b", 7, [3])])
+    for msg in (ready, credits, wire.Exit()):
+        data = wire.encode(msg)
+        assert isinstance(data, bytes) and wire.decode(data) == msg
+        assert wire.decode(memoryview(data)) == msg  # a zero-copy frame's buffer decodes the same
+    for junk in (b"", b"\xffjunk", wire.encode(ready)[:1] + b"junk", bytes([len(wire._TYPES)])):
+        with pytest.raises(wire.WireError):
+            wire.decode(junk)
+
+
+class _Ring:
+    def __init__(self, slots):
+        self.slots = slots
+
+    def lend(self):
+        out, self.slots = self.slots, []
+        return out
+
+
+def test_credits_for_several_streams_go_to_their_process_as_one_message():
+    hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)  # only _top_up's state: no sockets, no thread
+    p1, p2 = SimpleNamespace(idx=1), SimpleNamespace(idx=2)
+    lease = lambda proc, gen, slots: SimpleNamespace(proc=proc, segment=object(), gen=gen, ring=_Ring(slots))  # noqa: E731
+    hub._leases = {"a": lease(p1, 5, [0, 1]), "b": lease(p1, 7, [3]), "c": lease(p2, 9, [2]),
+                   "d": lease(p1, 4, []), "e": lease(None, 3, [1])}  # d: nothing free; e: not placed
+    sent = []
+    hub._send = lambda proc, msgs: sent.append((proc.idx, msgs))
+    hub._top_up({"a", "b", "c", "d", "e", "gone"})
+    by_proc = dict(sent)
+    assert len(sent) == 2 and set(by_proc) == {1, 2}  # one send per process, not one per stream
+    [many] = by_proc[1]
+    assert isinstance(many, wire.Credits)
+    assert sorted((c.stream, c.gen, c.slots) for c in many.credits) == [("a", 5, [0, 1]), ("b", 7, [3])]
+    assert by_proc[2] == [wire.Credit("c", 9, [2])]
+
+
+def test_an_ingest_process_applies_every_command_waiting_and_each_credit_to_its_stream():
+    rings = {s: ingest_process.RemoteRing(s, live=True, gen=g, send=lambda m: None, max_frame_pixels=10 ** 6)
+             for s, g in (("a", 5), ("b", 7))}
+    child = SimpleNamespace(ring=rings.get, streams={})
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    try:
+        pull.bind("inproc://cmd")
+        push.connect("inproc://cmd")
+        push.send(wire.encode(wire.Credits([wire.Credit("a", 5, [0, 1]), wire.Credit("b", 6, [3]),
+                                            wire.Credit("gone", 1, [2])])))
+        push.send(wire.encode(wire.Credit("b", 7, [4])))
+        push.send(wire.encode(wire.Exit()))
+        assert pull.poll(5000)
+        assert ingest_process._commands(child, pull, 0) is True  # all three in one wake-up; Exit says so
+        assert list(rings["a"]._credits) == [0, 1]
+        assert list(rings["b"]._credits) == [4]  # generation 6 is not the ring's: those slots stay the core's
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
