@@ -192,8 +192,9 @@ def engine_tree(sc: dict, endpoint: str) -> dict:
                for i in range(sc["streams"])]
     tree = {"streams": streams, "max_streams": max(64, sc["streams"]),
             "models": {"noop": {"per_frame_s": 0, "max_batch": sc["max_batch"], "workers": 1}},
-            # 5 s: a frame the host delivers up to a second late (the pacer's catch-up bound) still meets it
-            "budget": {"latency_ms": 5000}, "qos": {"ladder": False}, "shutdown_timeout_s": 3,
+            # 5 s (default): a frame the host delivers up to a second late (the pacer's catch-up bound) still
+            # meets it; --budget-ms sets a real one (frames past it are dropped, at the source where they can be)
+            "budget": {"latency_ms": sc.get("budget_ms", 5000)}, "qos": {"ladder": False}, "shutdown_timeout_s": 3,
             "publish": {"endpoint": endpoint, "hwm": 100000, "min_subscribers": 1, "wait_subscribers_s": 20},
             "metrics": {"enabled": False}, "control": {"enabled": False}}
     if sc.get("ingest") is not None:  # absent on trees before issue 33 (threads are all they have)
@@ -440,7 +441,8 @@ def run_raw(sc: dict) -> dict:
 # -- the parent: scenarios in subprocesses -----------------------------------------------------------
 def scenarios(args) -> tuple[list[dict], list[dict]]:
     """(raw scenarios, engine scenarios without a mode). --quick: the target scenarios and the curve's ends."""
-    base = {"warmup_s": args.warmup, "window_s": args.window, "max_batch": args.max_batch, "fps": 60}
+    base = {"warmup_s": args.warmup, "window_s": args.window, "max_batch": args.max_batch, "fps": 60,
+            "budget_ms": args.budget_ms}
     curve = (CURVE[0], 48) if args.quick else CURVE
     live = [(n, "240p", 60) for n in curve] + [(8, "720p", 60)] * (not args.quick) + [(48, "720p", 60), SMALL]
     offline = ("240p",) if args.quick else ("720p", "240p")
@@ -872,6 +874,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds before the window (default 2; --quick 1)")
     ap.add_argument("--window", type=float, default=5.0, help="timed window, s (default 5; --quick 1.5; --profile 10)")
     ap.add_argument("--max-batch", type=int, default=8, help="the null pool's max_batch (default 8, as gpu_check)")
+    ap.add_argument("--budget-ms", type=float, default=5000.0,
+                    help="the streams' latency budget (default 5000: the host measured, not deadlines)")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second (default 250)")
     ap.add_argument("--box", type=float, default=60.0, help="seconds a scenario may take beyond warm-up + window")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_host.json"))

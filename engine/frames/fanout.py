@@ -11,7 +11,7 @@ import dataclasses
 import threading
 from typing import Any, Optional
 
-from engine.frames.lifecycle import FrameMeta
+from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.frames.ring import FrameRing
 
 
@@ -27,6 +27,10 @@ class RingGroup:
             m = meta if i == len(self.rings) - 1 else dataclasses.replace(meta, extra=dict(meta.extra))
             ok &= ring.write(m, frame, stop, ready)
         return ok
+
+    def drop_at_source(self, n: int, reason: DropReason) -> None:
+        for ring in self.rings:  # every pool's ledger counts the stream's frames
+            ring.drop_at_source(n, reason)
 
     def close(self) -> None:
         for ring in self.rings:

@@ -4,8 +4,10 @@ One ingest thread per stream, so a slow or dead stream only ever stalls itself. 
 frame with stream id, sequence number, pts and capture time, sets its deadline (live: capture
 + budget) and writes it into the stream's ring. The capture time is when the frame's last
 packet arrived (network), when it was due (paced live files and synthetic streams: never
-"now, after sleeping"), or when it was decoded (offline). Files end (or loop); network
-streams whose session ends reconnect, paced by streams/backoff.py. Events go out through `emit`.
+"now, after sleeping"), or when it was decoded (offline). A live frame already past its deadline when
+it is ready to write is dropped there (`deadline`, as the scheduler would), never copied. Files end (or
+loop); network streams whose session ends reconnect, paced by streams/backoff.py. Events go out
+through `emit`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional
 
 from engine.errors import SourceError
-from engine.frames.lifecycle import FrameMeta
+from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.util.threads import OwnThread
 
 from streams.backoff import Backoff
@@ -196,6 +198,14 @@ class IngestThread(OwnThread):
                 if wait > 0 and self._stop.wait(wait):
                     break
             t_mono, t_wall = self._capture_time(frame, due)
+            if self.live and t_mono + self.budget_s < time.monotonic():
+                # Past its deadline before it is even written (a source that fell behind, a slow decode): the
+                # scheduler would drop it unseen (deadline); dropped here, counted the same, and the copy into a
+                # slot, the descriptor and the scheduling are not spent on it, when the cores are short.
+                self.ring.drop_at_source(1, DropReason.DEADLINE)
+                self.seq += 1
+                self._session_frames += 1
+                continue
             meta = FrameMeta(self.stream, self.seq, frame.pts, t_wall, decode_s=frame.decode_s,
                              deadline=t_mono + self.budget_s if self.live else math.inf, t_capture_mono=t_mono,
                              colour=frame.colour)

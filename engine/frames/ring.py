@@ -425,14 +425,17 @@ class FrameRing:
             self._cond.notify_all()
         return n
 
-    def drop_at_source(self, n: int) -> None:
-        """The remote writer dropped n frames before copying them (no credit, live): ingested and
-        dropped(ring_full), so the ledger covers them. Not once the ring is closed (its stream is going)."""
+    def drop_at_source(self, n: int, reason: DropReason = DropReason.RING_FULL) -> None:
+        """n frames dropped at the source before any copy: by a remote writer without credit (live: ring_full),
+        or by the ingest because they were past their deadline already (deadline, as the scheduler would
+        have dropped them). Ingested and dropped, so the ledger covers them. Not once the ring is closed
+        (its stream is going)."""
         with self._cond:
             if n > 0 and not self._closed:
                 self._acct.ingest(self.stream, n)
-                self._acct.drop(self.stream, DropReason.RING_FULL, n)
-                self.overwrites += n
+                self._acct.drop(self.stream, reason, n)
+                if reason is DropReason.RING_FULL:
+                    self.overwrites += n
 
     def _offer(self, slot: int, after: Any) -> Any:
         """Offer a seen frame to the live view's tap (a no-op unless someone watches its stream). Not under

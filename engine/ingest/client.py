@@ -40,7 +40,7 @@ import zmq
 
 from engine.config import EngineConfig, StreamConfig
 from engine.errors import SourceError
-from engine.frames.lifecycle import FrameMeta
+from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.frames.ring import FrameRing
 from engine.ingest import wire
 from engine.ingest.cuda_slots import PendingFrames
@@ -115,6 +115,7 @@ class _Lease:
     segment: Optional[Segment] = None
     segments_made: int = 0
     dropped_seen: int = 0
+    expired_seen: int = 0
     next_seq: int = 0
     removing: bool = False
     unplaced_since: Optional[float] = None  # no process could be started for it (out of descriptors): retried
@@ -243,12 +244,16 @@ class IngestHub:
             log.exception("ingest I/O thread crashed")
             self.dead = f"ingest I/O thread crashed: {type(err).__name__}: {err}"
 
-    def _drain_up(self) -> set[str]:
+    def _drain_up(self, limit: int = 4096) -> set[str]:
+        """Handle up to `limit` waiting messages (bounded: commands and supervision are not starved by a
+        flood); the streams that got a frame. `self._up_empty`: whether it stopped because none was left."""
         touched: set[str] = set()
-        for _ in range(4096):  # bounded: commands and supervision are not starved by a flood
+        self._up_empty = False
+        for _ in range(limit):
             try:
                 data = self._up.recv(zmq.NOBLOCK)
             except zmq.Again:
+                self._up_empty = True
                 break
             try:
                 msg = wire.decode(data)
@@ -285,6 +290,10 @@ class IngestHub:
             if d > 0:
                 lease.ring.drop_at_source(d)
                 lease.dropped_seen = msg.dropped
+            e = msg.expired - lease.expired_seen
+            if e > 0:
+                lease.ring.drop_at_source(e, DropReason.DEADLINE)
+                lease.expired_seen = msg.expired
         if isinstance(msg, wire.FrameReady):
             self._commit(lease, msg)
             touched.add(lease.stream)
@@ -474,7 +483,7 @@ class IngestHub:
         lease.remote.process = proc.label
         lease.gen = next(self._lease_gens)
         lease.assign_gen = lease.gen
-        lease.dropped_seen = 0
+        lease.dropped_seen = lease.expired_seen = 0
         lease.ring.reclaim()
         ic, src = self.cfg, self.cfg.source
         cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),
@@ -597,8 +606,10 @@ class IngestHub:
         # what it sent before dying is committed first (its frames are published): all of it, since a disconnect
         # discards what is unread; bytes still in the kernel's buffer are lost (a seq gap, docs/concepts.md)
         touched: set[str] = set()
-        while (got := self._drain_up()):
-            touched |= got
+        for _ in range(64):  # to the end, not to the first batch without a frame (a run of states, say); bounded,
+            touched |= self._drain_up()  # as the other processes go on sending meanwhile
+            if self._up_empty:
+                break
         self._procs.pop(proc.idx, None)
         # never a credit for the dead process: its slots are reclaimed below
         self._top_up({s for s in touched if (lease := self._leases.get(s)) is not None and lease.proc is not proc})

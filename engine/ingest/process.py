@@ -33,7 +33,7 @@ import zmq
 
 from engine.errors import SourceError
 from engine.frames.ingest import IngestThread
-from engine.frames.lifecycle import FrameMeta
+from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.ingest import wire
 from engine.ingest.slots import Segment
 
@@ -70,6 +70,7 @@ class RemoteRing:
         self._cuda: Any = None
         self._copy_stream: Any = None
         self.dropped = 0     # dropped at the source (no credit), this lease
+        self.expired = 0     # dropped at the source past their deadline (IngestThread), this lease
         self.overwrites = 0  # what RingGroup/IngestThread callers read
 
     # -- commands (the process's main thread) ----------------------------------------------------------------
@@ -105,6 +106,14 @@ class RemoteRing:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def drop_at_source(self, n: int, reason: DropReason) -> None:
+        """The stream's IngestThread dropped n frames before writing them (past their deadline): reported with
+        the next FrameReady or StreamState, counted in the core's ledger then."""
+        if reason is DropReason.DEADLINE:
+            self.expired += n
+        else:
+            self.dropped += n
 
     # -- the stream's IngestThread -------------------------------------------------------------------------
     def write(self, meta: FrameMeta, frame: Any, stop: Optional[threading.Event] = None, ready: Any = None) -> bool:
@@ -142,7 +151,8 @@ class RemoteRing:
             seg.write(slot, frame, ready, self._copy_stream, self._cuda)
         d = math.inf if not math.isfinite(meta.deadline) else meta.deadline
         self._send(wire.FrameReady(self.stream, slot, gen, meta.seq, meta.pts, meta.t_capture, meta.t_capture_mono,
-                                   d, meta.decode_s, h, w, tuple(meta.colour), self.dropped, time.monotonic()))
+                                   d, meta.decode_s, h, w, tuple(meta.colour), self.dropped, time.monotonic(),
+                                   self.expired))
         return True
 
 
@@ -179,7 +189,8 @@ class _Stream(IngestThread):
 def _state(s: IngestThread, gen: int, final: bool = False) -> wire.StreamState:
     src = s.source
     return wire.StreamState(s.stream, gen, s.state, s.failed, s.end_reason, s.total_frames, s.reconnects,
-                            src.decode_errors, s.seq, s.ring.dropped, src.decode_device, src.decode_reason, final)
+                            src.decode_errors, s.seq, s.ring.dropped, src.decode_device, src.decode_reason, final,
+                            s.ring.expired)
 
 
 class _Child:

@@ -55,6 +55,7 @@ class FrameReady(_Msg):
     dropped: int = 0         # frames dropped at the source so far in this lease (cumulative): ring_full
     t_written: float = 0.0   # monotonic (system-wide on Linux), when the copy into the slot was done: the core's
     #                          commit time minus it is the crossing (the ingest -> scheduler target, bench_host)
+    expired: int = 0         # frames dropped at the source past their deadline so far in this lease (cumulative)
 
 
 class Geometry(_Msg):
@@ -88,6 +89,7 @@ class StreamState(_Msg):
     decode_device: Optional[str] = None
     decode_reason: str = ""
     final: bool = False
+    expired: int = 0             # dropped at the source past their deadline in this lease (cumulative)
 
 
 # -- core -> ingest process (one PUSH socket per process) ------------------------------------------------

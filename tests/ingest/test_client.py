@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import Counter
 
 import psutil
 import pytest
@@ -27,7 +28,8 @@ SYN = "synthetic://shapes?size=64x48&fps=60"
 def _engine(streams, endpoint, per_frame_s=0.001, **sections):
     # nice 0: a heartbeat late by a second under a loaded suite would count as a hang (the nice test sets its own)
     ingest = {"processes": 2, "heartbeat_s": 0.1, "hang_after_s": 1.0, "nice": 0, **sections.pop("ingest", {})}
-    cfg = engine_config(streams, endpoint, ingest=ingest, budget={"latency_ms": 1000}, **sections)
+    cfg = engine_config(streams, endpoint, ingest=ingest, budget=sections.pop("budget", {"latency_ms": 1000}),
+                        **sections)
     return Engine(cfg, models={"classify": NoopRunner(per_frame_s=per_frame_s)})
 
 
@@ -146,6 +148,42 @@ def test_segfaulting_stream_is_quarantined_then_fails_alone(endpoint, monkeypatc
     assert any(k == "reconnecting" and "SIGSEGV" in r for k, r in kinds), kinds
     assert any(k == "reconnecting" and "process of its own" in r for k, r in kinds), kinds
     assert any(k == "error" and "max_restarts" in r for k, r in kinds), kinds
+
+
+@pytest.mark.timeout(60)
+def test_frames_past_their_deadline_are_dropped_in_their_process_before_the_copy(endpoint, monkeypatch):
+    """A test-only source that makes a frame every 25 ms for a 100 fps stream falls ever further behind; with a
+    50 ms budget most of its frames are past their deadline before they are written. Its process drops them
+    there (no copy, no slot, no descriptor) and reports them: the core counts them `deadline`, as its scheduler
+    would have, so descriptors committed = frames ingested - those, and the ledger balances."""
+    monkeypatch.setattr(ingest_client, "TEST_IMPORTS", ["tests.support.crashing_source"])
+    eng = _engine([{"id": "slow", "url": "synthetic://shapes?size=64x48&fps=100"}, {"id": "ok", "url": SYN}],
+                  endpoint, budget={"latency_ms": 50})
+    committed = Counter()
+    try:
+        eng.start()
+        commit = eng.ingest._commit
+
+        def counted(lease, msg):  # every descriptor the core's I/O thread commits (its own thread: no race)
+            committed[msg.stream] += 1
+            return commit(lease, msg)
+        eng.ingest._commit = counted
+        acct = eng.pools["classify"].acct
+        assert wait_for(lambda: acct.snapshot("slow").dropped.get("deadline", 0) > 0, 20)
+        ok0 = acct.snapshot("ok").published
+        c0, s0 = committed["slow"], acct.snapshot("slow")
+        time.sleep(2)
+        c1, s1 = committed["slow"], acct.snapshot("slow")
+        expired = s1.dropped.get("deadline", 0) - s0.dropped.get("deadline", 0)
+        assert expired >= 20, (s0, s1)  # ~40 frames a second made, nearly all late
+        # the old way every ingested frame was committed to a slot first; the slack: frames in transit at the ends
+        assert c1 - c0 <= (s1.ingested - s0.ingested) - expired + 5, (c1 - c0, s0, s1)
+        assert acct.snapshot("ok").published > ok0 + 30  # the stream beside it goes on
+        eng.control({"op": "remove_stream", "stream": "slow"})
+        assert wait_for(lambda: "slow" not in eng.streams, 10)
+        _balanced(eng)
+    finally:
+        _stop(eng)
 
 
 @pytest.mark.timeout(60)

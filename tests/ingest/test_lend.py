@@ -75,3 +75,14 @@ def test_a_release_tells_the_lender_whether_the_writer_still_holds_a_lent_slot(r
     for f in frames:
         r.release(f.slot)
     assert calls == [True, False, False]  # nothing lent any more: the lender must wake
+
+
+def test_frames_dropped_at_the_source_are_ingested_and_dropped_with_their_reason(ring):
+    r, acct = ring
+    r.drop_at_source(2)  # no credit: ring_full, as an overwrite
+    r.drop_at_source(3, DropReason.DEADLINE)  # past their deadline before the write
+    snap = acct.snapshot("cam")
+    assert snap.ingested == 5 and snap.dropped == {"ring_full": 2, "deadline": 3} and r.overwrites == 2
+    r.close()
+    r.drop_at_source(1, DropReason.DEADLINE)  # its stream is going: not counted any more
+    assert acct.snapshot("cam").ingested == 5

@@ -74,3 +74,30 @@ def test_an_ingest_process_applies_every_command_waiting_and_each_credit_to_its_
         push.close(0)
         pull.close(0)
         ctx.term()
+
+
+def test_a_dead_process_s_messages_are_drained_to_the_end_not_to_the_first_batch_without_a_frame():
+    """_died commits what a process sent before dying, then disconnects its endpoint (which discards what is
+    unread): it must read past a batch that held no frame (here 5,000 heartbeats of nobody, then a frame)."""
+    hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)  # the drain's state only
+    hub._procs, hub._leases, hub.bad_messages, hub.stale_descriptors, hub._closing = {}, {}, 0, 0, True
+    ctx = zmq.Context()
+    push, hub._up = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: all 5,001 wait in the pipe
+    hub._up.setsockopt(zmq.RCVHWM, 0)
+    try:
+        hub._up.bind("inproc://up")
+        push.connect("inproc://up")
+        for _ in range(5000):
+            push.send(wire.encode(wire.Heartbeat(9, 1, 0.0)))
+        push.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
+        dead = SimpleNamespace(kill_reason="test", idx=9, handle=SimpleNamespace(join=lambda _: None),
+                               cmd=SimpleNamespace(close=lambda _: None), up_addr="inproc://nowhere", streams=set())
+        assert hub._up.poll(5000)
+        hub._died(dead)  # a process holding no stream: drained, disconnected, nothing to restart
+        assert hub.stale_descriptors == 1  # the frame after the 5,000 heartbeats was read (of a stream gone)
+        assert not hub._up.poll(0)
+    finally:
+        push.close(0)
+        hub._up.close(0)
+        ctx.term()
