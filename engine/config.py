@@ -384,6 +384,13 @@ class IngestConfig(_Strict):
     workers and publisher, holding frames already decoded and copied) runs first, and the ingest falls behind and
     sheds instead. 0: the same priority. Measured on 2 cores at 48 x 720p60: 1,040-1,092 frames/s published with
     5 or 10 against 958 with 0 (benchmarks/RESULTS.md)."""
+    live_credit: int = Field(2, ge=1, le=64)
+    """The most frames of a live stream in the engine at once, waiting for the scheduler or being written (frames
+    being computed not counted): a newer frame beyond it is dropped in its process before its copy (`ring_full`),
+    where a copy would only be superseded. 2: the scheduler still takes the newer of two. Measured on 2 cores
+    (benchmarks/RESULTS.md), 48 x 720p60: 1,162-1,316 frames/s published at 33-40 ms median latency, against
+    1,022-1,054 at 450 ms with every free slot lent; 1 published more there but shed a tenth of 16 x 180p at 250 fps.
+    Offline streams wait for a free slot instead (back-pressure)."""
     heartbeat_s: float = Field(0.25, gt=0, le=10)
     """How often an ingest process reports that it is alive, with its streams' states."""
     hang_after_s: float = Field(3.0, gt=0, le=600)

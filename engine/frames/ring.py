@@ -348,8 +348,10 @@ class FrameRing:
             self._storage.map(segment)
             return self._limit
 
-    def lend(self) -> list[int]:
-        """FREE slots below the limit -> WRITING, lent to the remote writer. Live, when none is free and the
+    def lend(self, credit: Optional[int] = None) -> list[int]:
+        """FREE slots below the limit -> WRITING, lent to the remote writer. Live: at most `credit` frames in the
+        ring at once, READY or lent (None: no cap); beyond it the writer sheds its next frame at the source,
+        before the copy (counted), where a copy would only be superseded. Live, when none is free and the
         writer holds none: the oldest READY frame is dropped (ring_full) and its slot lent, which keeps
         freshest-first as write()'s overwrite does, but only while another READY frame stays for the scheduler:
         the frame just committed is never dropped before the core could take it (the writer sheds its next
@@ -358,6 +360,11 @@ class FrameRing:
             if self._closed or not self._state:
                 return []
             out = [i for i in range(self._limit) if self._state[i] is SlotState.FREE]
+            if self.live and credit is not None:
+                inside = sum(1 for s in self._state[:self._limit] if s is SlotState.READY or s is SlotState.WRITING)
+                if inside >= credit:
+                    return []
+                out = out[:credit - inside]
             if not out and self.live and SlotState.WRITING not in self._state[:self._limit]:
                 usable = [j for j in self._ready_order if j < self._limit]
                 if len(usable) >= 2:

@@ -386,8 +386,8 @@ class IngestHub:
         if old is not None:
             old.unlink()  # its frames still held stay mapped until released
         lease.gen = next(self._lease_gens)
-        return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen,
-                                                                                lease.ring.lend())]
+        slots = lease.ring.lend(self.cfg.ingest.live_credit)
+        return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen, slots)]
 
     def _short_of_descriptors(self, lease: _Lease, h: int, w: int, err: OSError) -> None:
         """A segment needs a descriptor for a moment, and the engine has none left: retried every second (the
@@ -410,7 +410,7 @@ class IngestHub:
             lease = self._leases.get(stream)
             if lease is None or lease.proc is None or lease.segment is None:
                 continue
-            slots = lease.ring.lend()
+            slots = lease.ring.lend(self.cfg.ingest.live_credit)
             if slots:
                 out.setdefault(lease.proc.idx, (lease.proc, []))[1].append(wire.Credit(stream, lease.gen, slots))
         for proc, credits in out.values():
@@ -492,7 +492,7 @@ class IngestHub:
         seg = lease.segment
         if seg is not None:  # a restart: the same slots, lent again under the new generation
             cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),
-                     wire.Credit(lease.stream, lease.gen, lease.ring.lend())]
+                     wire.Credit(lease.stream, lease.gen, lease.ring.lend(self.cfg.ingest.live_credit))]
         elif lease.size is not None:
             cmds += self._new_segment(lease, *lease.size)
         if lease.remote.failed:  # its segment could not be made (_new_segment failed it): nothing was sent, so no

@@ -86,3 +86,23 @@ def test_frames_dropped_at_the_source_are_ingested_and_dropped_with_their_reason
     r.close()
     r.drop_at_source(1, DropReason.DEADLINE)  # its stream is going: not counted any more
     assert acct.snapshot("cam").ingested == 5
+
+
+def test_a_live_stream_has_at_most_its_credit_of_frames_waiting_or_being_written(ring):
+    """ingest.live_credit: beyond it the writer sheds at the source, before the copy, a frame the scheduler
+    would only have superseded; frames being computed (claimed) do not count."""
+    r, acct = ring
+    a, b = r.lend(2)  # 3 free slots, credit 2
+    assert r.lend(2) == []  # two lent: nothing more
+    _commit(r, a, 0)
+    assert r.lend(2) == []  # one READY, one lent
+    [f0] = r.take_ready()  # the scheduler took frame 0: it no longer counts
+    [c] = r.lend(2)
+    assert c not in (a, b)
+    _commit(r, b, 1)
+    _commit(r, c, 2)
+    assert r.lend(2) == []  # two READY, the slot of frame 0 still claimed
+    r.release(f0.slot)
+    assert r.lend(2) == []  # a free slot, but two frames wait: the next one is shed at the source
+    assert r.lend() == [f0.slot]  # no credit given: every free slot, as an offline ring
+    assert not acct.snapshot("cam").dropped  # the credit itself never drops a frame

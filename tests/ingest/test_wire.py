@@ -31,13 +31,14 @@ class _Ring:
     def __init__(self, slots):
         self.slots = slots
 
-    def lend(self):
+    def lend(self, credit=None):
         out, self.slots = self.slots, []
         return out
 
 
 def test_credits_for_several_streams_go_to_their_process_as_one_message():
     hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)  # only _top_up's state: no sockets, no thread
+    hub.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
     p1, p2 = SimpleNamespace(idx=1), SimpleNamespace(idx=2)
     lease = lambda proc, gen, slots: SimpleNamespace(proc=proc, segment=object(), gen=gen, ring=_Ring(slots))  # noqa: E731
     hub._leases = {"a": lease(p1, 5, [0, 1]), "b": lease(p1, 7, [3]), "c": lease(p2, 9, [2]),
