@@ -123,8 +123,8 @@ def test_a_crossing_measured_from_the_cores_commit_is_only_a_bound(bh, commit_p9
 
 def _args(tmp_path, **kw):
     base = dict(quick=True, profile=False, modes="threads,processes", processes="auto", gil=False, repeats=1,
-                warmup=1.0, window=1.5, max_batch=8, rate=100, box=30.0, out=str(tmp_path / "bh.json"),
-                only="no scenario has this name")
+                warmup=1.0, window=1.5, max_batch=8, budget_ms=5000.0, rate=100, box=30.0,
+                out=str(tmp_path / "bh.json"), only="no scenario has this name")
     return argparse.Namespace(**{**base, **kw})
 
 
