@@ -94,9 +94,8 @@ class FrameRing:
         # of the slot are done (covering `after`), or None when it queued none.
         self.tap: Optional[Callable[..., Any]] = None
         # A remote writer's client (engine/ingest/client.py): told, outside the lock, that a slot was freed, so
-        # it lends it back as a credit. None for an in-process writer (it finds free slots itself).
-        # a remote writer's lender (engine/ingest/client.py): called after a release with whether the writer
-        # still holds a lent slot (then the lender need not wake for this one)
+        # it lends it back as a credit, and whether the writer still holds a lent slot (then its next descriptor
+        # wakes the client anyway). None for an in-process writer (it finds free slots itself).
         self.on_free: Optional[Callable[[bool], None]] = None
 
     # -- producer side -------------------------------------------------------------------
