@@ -297,16 +297,16 @@ def _commands(child: _Child, cmd: zmq.Socket, proc: int) -> bool:
             entry = child.streams.get(msg.stream)
             if entry is not None:
                 entry[0].stop()
-        elif isinstance(msg, wire.Credits):
-            for c in msg.credits:
+        elif isinstance(msg, (wire.Credit, wire.Credits)):
+            for c in msg.credits if isinstance(msg, wire.Credits) else [msg]:
                 if (ring := child.ring(c.stream)) is not None:
                     ring.credit(c)
-        elif isinstance(msg, (wire.Slots, wire.CudaSlots, wire.Credit)):
+        elif isinstance(msg, (wire.Slots, wire.CudaSlots)):
             ring = child.ring(msg.stream)
             if ring is None:
                 continue
             try:
-                ring.credit(msg) if isinstance(msg, wire.Credit) else ring.attach(msg)
+                ring.attach(msg)
             except (OSError, RuntimeError, ValueError) as err:  # the segment went (its stream was removed
                 # meanwhile: the core knows), or a CUDA IPC open failed (RuntimeError)
                 log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
