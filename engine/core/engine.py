@@ -22,6 +22,7 @@ from engine.core.loop import EngineCore
 from engine.core.requests import AddStream, Stop
 from engine.errors import ConfigError, ControlError, EngineDeadError
 from engine.frames.lifecycle import DropReason
+from engine.util import gc_pause
 from engine.util.memory import limit_malloc_arenas
 from engine.publish.metrics import Metrics
 from engine.executor.pool import Pool
@@ -56,6 +57,7 @@ class Engine:
         self.control_socket = None  # bound at start when control.enabled (served by the runtime)
         self.view = None  # the live view's hub when view.enabled (its web server runs in the runtime)
         self.ingest = None  # engine/ingest/client.IngestHub when ingest.processes != 0
+        self._frozen = False  # counted in gc_pause (start-up objects out of the cyclic collector) until stop
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -143,6 +145,8 @@ class Engine:
             reply = self.control(req)
             if not reply["ok"]:
                 raise ConfigError(f"objects: {reply['error']}")
+        gc_pause.freeze_startup()  # models, pools and streams built: later collections skip them (gc_pause.py)
+        self._frozen = True
 
     def _start_ingest(self, cores: int) -> None:
         """Ingest processes (engine/ingest): their slots live in /dev/shm, which must hold ring.total_memory_mb
@@ -290,5 +294,8 @@ class Engine:
             self.control_socket.close(0)
         if self.curve is not None:
             self.curve.stop()
+        if self._frozen:
+            self._frozen = False
+            gc_pause.engine_stopped()
         self.state = "stopped"
 

@@ -117,6 +117,12 @@ class Accounting:
         with self.lock:
             self._get(stream).dropped[str(getattr(reason, "value", reason))] += n
 
+    def dropped_for(self, stream: str, reason: str) -> int:
+        """How many of the stream's frames were dropped with `reason` so far (0 for a stream never seen)."""
+        with self.lock:
+            c = self._streams.get(stream)
+            return c.dropped.get(str(getattr(reason, "value", reason)), 0) if c is not None else 0
+
     def fail(self, stream: str, reason: str, n: int = 1) -> None:
         with self.lock:
             self._get(stream).failed[str(getattr(reason, "value", reason))] += n

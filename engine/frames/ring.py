@@ -54,6 +54,19 @@ class SlotState(Enum):
 _DROPPED = -1
 
 
+#: A live stream fed by a remote writer (an ingest process) runs on a credit of one frame instead of its
+#: `ingest.live_credit` while the scheduler is behind on it: when more than LEAN_ENTER of the frames committed in
+#: a window of LEAN_WINDOW_S were superseded (two of its frames waited for the scheduler at once, and the copy of
+#: the older one was spent for nothing), its next frames are shed at the source before the copy instead; it goes
+#: back to the full credit after a window in which fewer than LEAN_EXIT of its frames were shed (the core keeps up
+#: again). Why not 1 always: the second credit hides the credit's round trip (core -> process), which at 250 fps
+#: shed a tenth of the frames of streams the engine kept up with; why not the full credit always: at 48 x 720p60 on
+#: 2 cores a third of the copied frames were superseded (benchmarks/RESULTS.md).
+LEAN_WINDOW_S = 1.0
+LEAN_ENTER = 0.10
+LEAN_EXIT = 0.25
+
+
 def slots_for(frame_bytes: int, memory_bytes: float, min_slots: int, max_slots: int) -> int:
     """Slots that fit the budget, clamped to [min_slots, max_slots]."""
     return int(min(max_slots, max(min_slots, memory_bytes // max(frame_bytes, 1))))
@@ -88,6 +101,13 @@ class FrameRing:
         self._limit = 0
         self.overwrites = 0
         self.reallocations = 0
+        self.at_source = 0   # frames dropped at the source before any copy (no credit, or past their deadline)
+        self.lean = False    # live credit cut to one frame: the scheduler is behind on this stream (LEAN_ENTER)
+        self.lean_spells = 0  # how many times it was
+        self.clock: Callable[[], float] = time.monotonic  # the lean windows' clock (tests inject one)
+        self._committed = self._shed = 0  # remote writer: frames committed, frames shed for want of credit
+        self._window: Optional[tuple[float, int, int, int]] = None  # (start, committed, shed, superseded) then
+        self._lean_said = False
         # The live view's tap (engine/view/hub.py): offered each frame a worker has built its input
         # from, before its slot is freed. None when the view is off. For a GPU slot it is also given the
         # slot's `ready` and release (`after`) events, and returns the event after which its own queued reads
@@ -356,27 +376,55 @@ class FrameRing:
         the frame just committed is never dropped before the core could take it (the writer sheds its next
         frame at the source instead, counted). Offline: only free slots (the writer waits for them)."""
         with self._cond:
-            if self._closed or not self._state:
+            out = self._lend(credit)
+            first_lean = self.lean_spells == 1 and not self._lean_said
+            self._lean_said |= first_lean
+        if first_lean:  # once a stream (it may go in and out of it every few seconds), outside the ledger lock
+            log.info("stream %s: the scheduler superseded more than %d%% of its frames in %g s: a credit of one frame "
+                     "while it is behind (its next frames are shed before their copy, counted ring_full)",
+                     self.stream, round(LEAN_ENTER * 100), LEAN_WINDOW_S)
+        return out
+
+    def _lend(self, credit: Optional[int]) -> list[int]:
+        if self._closed or not self._state:
+            return []
+        out = [i for i in range(self._limit) if self._state[i] is SlotState.FREE]
+        if self.live and credit is not None:
+            credit = 1 if self._lean_now() else credit
+            inside = sum(1 for s in self._state[:self._limit] if s is SlotState.READY or s is SlotState.WRITING)
+            if inside >= credit:
                 return []
-            out = [i for i in range(self._limit) if self._state[i] is SlotState.FREE]
-            if self.live and credit is not None:
-                inside = sum(1 for s in self._state[:self._limit] if s is SlotState.READY or s is SlotState.WRITING)
-                if inside >= credit:
-                    return []
-                out = out[:credit - inside]
-            if not out and self.live and SlotState.WRITING not in self._state[:self._limit]:
-                usable = [j for j in self._ready_order if j < self._limit]
-                if len(usable) >= 2:
-                    i = usable[0]
-                    self._ready_order.remove(i)
-                    self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
-                    self._meta[i] = None
-                    self.overwrites += 1
-                    out = [i]
-            for i in out:
-                self._storage.allocate(i, *self._shape)  # a view of the segment: no memory is allocated
-                self._state[i] = SlotState.WRITING
-            return out
+            out = out[:credit - inside]
+        if not out and self.live and SlotState.WRITING not in self._state[:self._limit]:
+            usable = [j for j in self._ready_order if j < self._limit]
+            if len(usable) >= 2:
+                i = usable[0]
+                self._ready_order.remove(i)
+                self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
+                self._meta[i] = None
+                self.overwrites += 1
+                out = [i]
+        for i in out:
+            self._storage.allocate(i, *self._shape)  # a view of the segment: no memory is allocated
+            self._state[i] = SlotState.WRITING
+        return out
+
+    def _lean_now(self) -> bool:
+        """Whether the stream's credit is one frame now (see LEAN_ENTER); decided once a window. Lock held."""
+        now = self.clock()
+        sup = self._acct.dropped_for(self.stream, DropReason.SUPERSEDED)
+        if self._window is None:
+            self._window = (now, self._committed, self._shed, sup)
+        start, committed, shed, superseded = self._window
+        if now - start >= LEAN_WINDOW_S:
+            committed, shed, superseded = self._committed - committed, self._shed - shed, sup - superseded
+            if not self.lean and superseded > LEAN_ENTER * committed > 0:
+                self.lean = True
+                self.lean_spells += 1
+            elif self.lean and shed < LEAN_EXIT * (shed + committed):
+                self.lean = False
+            self._window = (now, self._committed, self._shed, sup)
+        return self.lean
 
     def commit(self, slot: int, meta: FrameMeta, notify: bool = True) -> bool:
         """A lent slot now holds frame `meta` (meta.height x meta.width): WRITING -> READY, counted ingested,
@@ -395,6 +443,7 @@ class FrameRing:
                 return False
             self._storage.admit(slot)  # a CUDA IPC slot: the core's own ready event for its readers
             self._acct.ingest(self.stream)
+            self._committed += 1
             meta.pixel_format = self._storage.pixel_format
             meta.t_decoded = time.monotonic()
             self._meta[slot] = meta
@@ -440,8 +489,10 @@ class FrameRing:
             if n > 0 and not self._closed:
                 self._acct.ingest(self.stream, n)
                 self._acct.drop(self.stream, reason, n)
+                self.at_source += n
                 if reason is DropReason.RING_FULL:
                     self.overwrites += n
+                    self._shed += n
 
     def _offer(self, slot: int, after: Any) -> Any:
         """Offer a seen frame to the live view's tap (a no-op unless someone watches its stream). Not under

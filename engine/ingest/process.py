@@ -15,6 +15,7 @@ queue would cost a wake-up per frame instead). The process exits when the core d
 
 from __future__ import annotations
 
+import gc
 import importlib
 import logging
 import math
@@ -343,6 +344,8 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, n
             child.orphaned()
             os._exit(0)
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+    gc.collect(1)
+    gc.freeze()  # what start-up built (av, numpy, zmq) is left out of later collections: engine/util/gc_pause.py
     send(wire.Ready(proc, gen, os.getpid()))
     last_beat = 0.0
     try:

@@ -106,3 +106,71 @@ def test_a_live_stream_has_at_most_its_credit_of_frames_waiting_or_being_written
     assert r.lend(2) == []  # a free slot, but two frames wait: the next one is shed at the source
     assert r.lend() == [f0.slot]  # no credit given: every free slot, as an offline ring
     assert not acct.snapshot("cam").dropped  # the credit itself never drops a frame
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _window(r, acct, clock, *, committed, superseded=0, shed=0, seq0=0):
+    """One lean window of the ring's stream: `committed` frames through one lent slot, `superseded` of them
+    dropped by the scheduler as superseded, `shed` more dropped at the source for want of credit."""
+    for k in range(committed):
+        [s] = r.lend(1)
+        _commit(r, s, seq0 + k)
+        [f] = r.take_ready()
+        if k < superseded:
+            acct.drop("cam", DropReason.SUPERSEDED)
+        r.release(f.slot)
+    r.drop_at_source(shed)
+    clock.t += 1.01  # past LEAN_WINDOW_S: the next lend decides
+
+
+def test_a_live_stream_the_scheduler_supersedes_gets_a_credit_of_one_until_it_keeps_up_again(ring):
+    """Lean credit (ring.LEAN_ENTER): when more than a tenth of a stream's frames in a window were superseded, its
+    copies were spent for nothing; its credit is one frame until a window in which under a quarter of its frames
+    are shed at the source. Frames being computed do not count, as before."""
+    r, acct = ring
+    r.clock = clock = _Clock()
+    assert len(r.lend(2)) == 2 and not r.lean  # the first lend opens the first window
+    r.reclaim()
+    _window(r, acct, clock, committed=20, superseded=3)  # 15 %: behind
+    [s] = r.lend(2)  # one frame, not two
+    assert r.lean and r.lean_spells == 1 and r.lend(2) == []
+    _commit(r, s, 100)
+    [f] = r.take_ready()  # being computed: does not count
+    [s] = r.lend(2)
+    r.release(f.slot)
+    _commit(r, s, 101)
+    r.release(r.take_ready()[0].slot)
+    _window(r, acct, clock, committed=10, shed=10, seq0=200)  # half shed at the source: still behind
+    assert len(r.lend(2)) == 1 and r.lean
+    r.reclaim()
+    _window(r, acct, clock, committed=20, shed=2, seq0=300)  # a tenth shed: it keeps up again
+    assert len(r.lend(2)) == 2 and not r.lean
+    assert acct.snapshot("cam").dropped.get("ring_full") == 12  # only what the test shed itself
+
+
+def test_a_stream_superseded_now_and_then_keeps_its_full_credit(ring):
+    r, acct = ring
+    r.clock = clock = _Clock()
+    r.lend(2)
+    r.reclaim()
+    _window(r, acct, clock, committed=20, superseded=2)  # exactly a tenth: not more than LEAN_ENTER
+    assert len(r.lend(2)) == 2 and not r.lean and r.lean_spells == 0
+    r.reclaim()
+    _window(r, acct, clock, committed=0, superseded=0)  # an empty window decides nothing
+    assert len(r.lend(2)) == 2 and not r.lean
+
+
+def test_frames_dropped_at_the_source_are_counted_apart_from_those_admitted(ring):
+    r, acct = ring
+    r.drop_at_source(2)
+    r.drop_at_source(3, DropReason.DEADLINE)
+    [s] = r.lend(1)
+    _commit(r, s, 0)
+    assert r.at_source == 5 and acct.snapshot("cam").ingested == 6  # admitted: 6 - 5
