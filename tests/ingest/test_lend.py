@@ -32,8 +32,9 @@ def ring():
     seg.unlink()
 
 
-def _commit(r, slot, seq):
-    assert r.commit(slot, FrameMeta("cam", seq, seq / 60, time.time(), deadline=math.inf, height=H, width=W))
+def _commit(r, slot, seq, t_capture_mono=math.nan):
+    assert r.commit(slot, FrameMeta("cam", seq, seq / 60, time.time(), deadline=math.inf, height=H, width=W,
+                                    t_capture_mono=t_capture_mono))
 
 
 def test_a_full_live_ring_lends_the_oldest_of_two_ready_frames_never_the_only_one(ring):
@@ -116,12 +117,15 @@ class _Clock:
         return self.t
 
 
-def _window(r, acct, clock, *, committed, superseded=0, shed=0, seq0=0):
+def _window(r, acct, clock, *, committed, superseded=0, shed=0, seq0=0, late=True):
     """One lean window of the ring's stream: `committed` frames through one lent slot, `superseded` of them
-    dropped by the scheduler as superseded, `shed` more dropped at the source for want of credit."""
+    dropped by the scheduler as superseded, `shed` more dropped at the source for want of credit. `late`: the
+    frames were captured 10 s apart and committed back to back (a writer far behind, catching up: bursty);
+    else captured a nanosecond apart, so each commit comes after more than half its capture gap (on time)."""
+    gap = 10.0 if late else 1e-9
     for k in range(committed):
         [s] = r.lend(1)
-        _commit(r, s, seq0 + k)
+        _commit(r, s, seq0 + k, t_capture_mono=(seq0 + k) * gap)
         [f] = r.take_ready()
         if k < superseded:
             acct.drop("cam", DropReason.SUPERSEDED)
@@ -130,15 +134,15 @@ def _window(r, acct, clock, *, committed, superseded=0, shed=0, seq0=0):
     clock.t += 1.01  # past LEAN_WINDOW_S: the next lend decides
 
 
-def test_a_live_stream_the_scheduler_supersedes_gets_a_credit_of_one_until_it_keeps_up_again(ring):
-    """Lean credit (ring.LEAN_ENTER): when more than a tenth of a stream's frames in a window were superseded, its
-    copies were spent for nothing; its credit is one frame until a window in which under a quarter of its frames
-    are shed at the source. Frames being computed do not count, as before."""
+def test_a_live_stream_whose_writer_is_behind_gets_a_credit_of_one_until_it_keeps_up_again(ring):
+    """Lean credit (ring.LEAN_ENTER): frames arriving late and in bursts, more than a tenth of them superseded (their
+    copies spent for nothing): the credit is one frame until a window in which under a quarter of the stream's
+    frames are shed at the source. Frames being computed do not count, as before."""
     r, acct = ring
     r.clock = clock = _Clock()
     assert len(r.lend(2)) == 2 and not r.lean  # the first lend opens the first window
     r.reclaim()
-    _window(r, acct, clock, committed=20, superseded=3)  # 15 %: behind
+    _window(r, acct, clock, committed=20, superseded=3)  # 15 %, bursty: behind
     [s] = r.lend(2)  # one frame, not two
     assert r.lean and r.lean_spells == 1 and r.lend(2) == []
     _commit(r, s, 100)
@@ -165,6 +169,17 @@ def test_a_stream_superseded_now_and_then_keeps_its_full_credit(ring):
     r.reclaim()
     _window(r, acct, clock, committed=0, superseded=0)  # an empty window decides nothing
     assert len(r.lend(2)) == 2 and not r.lean
+
+
+def test_a_stream_whose_frames_arrive_on_time_keeps_its_full_credit_however_many_are_superseded(ring):
+    """The model is what is slow: the scheduler supersedes the older of two frames to publish the newer one (freshest
+    first), and a credit of one would publish the older one instead; nothing is wasted by the writer."""
+    r, acct = ring
+    r.clock = clock = _Clock()
+    r.lend(2)
+    r.reclaim()
+    _window(r, acct, clock, committed=20, superseded=10, late=False)
+    assert len(r.lend(2)) == 2 and not r.lean and r.lean_spells == 0
 
 
 def test_frames_dropped_at_the_source_are_counted_apart_from_those_admitted(ring):
