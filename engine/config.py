@@ -390,9 +390,9 @@ class IngestConfig(_Strict):
     where a copy would only be superseded. 2: the scheduler still takes the newer of two. Measured on 2 cores
     (benchmarks/RESULTS.md), 48 x 720p60: 1,162-1,316 frames/s published at 33-40 ms median latency, against
     1,022-1,054 at 450 ms with every free slot lent; 1 published more there but shed a tenth of 16 x 180p at 250 fps.
-    While a stream's process is behind its source and a tenth of its copies are superseded, its credit is 1 until
-    it keeps up again (engine/frames/ring.py, LEAN_ENTER): 1,318-1,413 frames/s at 48 x 720p60, none superseded.
-    Offline streams wait for a free slot instead (back-pressure)."""
+    While a stream's process is behind its (paced) source, its frames arriving in bursts, and more than a tenth of its
+    copies are superseded, its credit is 1 until it keeps up again (engine/frames/ring.py, LEAN_ENTER): 1,318 and
+    1,395 frames/s at 48 x 720p60, none superseded. Offline streams wait for a free slot instead (back-pressure)."""
     heartbeat_s: float = Field(0.25, gt=0, le=10)
     """How often an ingest process reports that it is alive, with its streams' states."""
     hang_after_s: float = Field(3.0, gt=0, le=600)

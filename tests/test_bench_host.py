@@ -72,6 +72,16 @@ def test_ingest_processes_cpu_is_summed_per_published_frame(bh):
     assert {"pid": 13, "role": "ingest", "exited": True} in out["processes"]
     assert out["published_over_ingested"] == pytest.approx(1.0)
     assert out["published_over_offered"] == pytest.approx(500 / 480)
+    assert out["published_over_admitted"] == pytest.approx(1.0)  # a tree without FrameRing.at_source: all admitted
+
+
+def test_frames_dropped_at_the_source_are_not_admitted(bh):
+    a = _sample(10.0, 5.0, {"core": 1.0}, {}, 1000, 900)
+    b = _sample(12.0, 6.0, {"core": 1.5}, {}, 2000, 1400)
+    a["at_source"], b["at_source"] = 100, 600  # 500 of the 1,000 ingested in the window never copied
+    out = bh.window_stats(a, b, {"kind": "live", "streams": 8, "fps": 60})
+    assert out["published_over_ingested"] == pytest.approx(0.5)
+    assert out["published_over_admitted"] == pytest.approx(1.0) and out["admitted_fps"] == pytest.approx(250.0)
 
 
 def test_gil_share_counts_samples_with_a_holder_over_intervals(bh):

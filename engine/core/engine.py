@@ -268,6 +268,14 @@ class Engine:
         if self.state in ("stopping", "stopped"):
             return
         self.state = "stopping"
+        try:
+            self._stop(drain, reason)
+        finally:  # even when a close raised: the process is not left frozen (engine/util/gc_pause.py)
+            if self._frozen:
+                self._frozen = False
+                gc_pause.engine_stopped()
+
+    def _stop(self, drain: bool, reason: str) -> None:
         t_end = time.monotonic() + self.cfg.shutdown_timeout_s
         if self.core is not None and self.core.alive:
             self.core.submit(Stop(drain, reason))
@@ -294,8 +302,5 @@ class Engine:
             self.control_socket.close(0)
         if self.curve is not None:
             self.curve.stop()
-        if self._frozen:
-            self._frozen = False
-            gc_pause.engine_stopped()
         self.state = "stopped"
 

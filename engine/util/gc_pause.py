@@ -7,10 +7,14 @@ frames shed; measured with gc.callbacks, benchmarks/RESULTS.md). `gc.freeze()` m
 a permanent generation that collections skip, so later ones walk only what was made since. vLLM's engine core
 does the same after its start-up (gc.collect(); gc.freeze()).
 
-What it costs: garbage that exists at the freeze is kept until the unfreeze (bounded: what start-up left; the
-young generations are collected first, which is cheap, while a full collection here would cost the very pause
-this avoids, at every start). Process-wide: engines in one process (tests, a Ray actor) share one count, and the
-last one to stop unfreezes, so a test process returns to plain collection between engines.
+What it costs: garbage that exists at a freeze is kept until the unfreeze (the young generations are collected
+first, which is cheap; a full collection here would cost the very pause this avoids, at every start). With one
+engine that is what its start-up left; with engines whose lives overlap, each start also freezes the old garbage
+made since the one before, all of it kept until the last one stops. Cyclic garbage of objects built before the
+freeze (streams configured at start, then removed) is likewise kept until the stop. Process-wide: engines in one
+process (tests, a Ray actor) share one count, the last one to stop unfreezes (Engine.stop does it even when a
+close raised), which also undoes a freeze the embedding program made itself; an engine never stopped leaves the
+process frozen.
 """
 
 from __future__ import annotations

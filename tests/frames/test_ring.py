@@ -48,7 +48,7 @@ def test_live_overwrites_oldest_and_counts():
         assert r.write(*frame(i))
     s = acct.snapshot("s")
     assert s.ingested == 5 and s.dropped == {"ring_full": 2} and s.in_flight == 3 and s.held == {"ring": 3}
-    assert s.balanced() and r.overwrites == 2
+    assert s.balanced() and r.overwrites == 2 and r.at_source == 0  # each overwritten frame was copied first
     got = [fv.meta.seq for fv in r.take_ready()]
     assert got == [2, 3, 4]
     # taken frames are the taker's to hold: with nobody registered for them, the check says so
@@ -61,6 +61,7 @@ def test_live_drops_new_frame_when_every_slot_is_claimed():
     held = r.take_ready()
     r.write(*frame(2))
     assert acct.snapshot("s").dropped == {"ring_full": 1}
+    assert r.at_source == 1  # dropped before any copy (bench_host's `admitted` leaves it out)
     assert r.take_ready() == []
     for fv in held:
         fv.release()
