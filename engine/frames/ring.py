@@ -68,7 +68,7 @@ _DROPPED = -1
 #: of 1 always: the second credit hides the credit's round trip (core -> process), which at 250 fps shed a tenth of
 #: the frames of streams the engine kept up with. What it cannot see: a network source's capture stamp is when its
 #: packet came out of the demuxer in that same process, so a process behind a camera reads and stamps late alike and
-#: never looks bursty; such a stream keeps its full credit (the rule before it, measured above for paced sources).
+#: never looks bursty; such a stream keeps its full credit, as every stream did before this rule.
 LEAN_WINDOW_S = 1.0
 LEAN_ENTER = 0.10
 LEAN_BURSTY = 0.25
@@ -110,7 +110,7 @@ class FrameRing:
         self.overwrites = 0
         self.reallocations = 0
         self.at_source = 0   # frames dropped before any copy: no credit, every slot held, or past their deadline
-        self.lean = False    # live credit cut to one frame: the scheduler is behind on this stream (LEAN_ENTER)
+        self.lean = False    # live credit cut to one frame: its writer is behind and its copies wasted (LEAN_ENTER)
         self.lean_spells = 0  # how many times it was
         self.clock: Callable[[], float] = time.monotonic  # the lean windows' clock (tests inject one)
         self._committed = self._shed = 0  # remote writer: frames committed, frames shed for want of credit
