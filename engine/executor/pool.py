@@ -140,7 +140,8 @@ class Pool:
     def attach(self, ring: FrameRing) -> None:
         with self.acct.lock:
             self.rings[ring.stream] = ring
-            self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}))
+            self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}),
+                                 stream=ring.stream)  # its own frames only: another stream's snapshot skips it
         self.qos.attach(ring.stream, live=ring.live, max_interval=ring.max_interval)
         self.output.add_stream(ring.stream)
 

@@ -68,15 +68,36 @@ class Accounting:
         self.lock = threading.RLock()
         self._streams: dict[str, StreamCounts] = {}
         self._holders: dict[str, Holder] = {}
+        self._own: dict[str, dict[str, Holder]] = {}  # holders of one stream's frames only (its ring), by stream
+        self._shared: dict[str, Holder] = {}          # holders of any stream's frames
 
     # -- holders -------------------------------------------------------------------------
-    def add_holder(self, name: str, count: Holder) -> None:
+    def add_holder(self, name: str, count: Holder, stream: str | None = None) -> None:
+        """`stream`: the holder only ever holds that stream's frames (a ring): a snapshot of another stream does
+        not ask it. Why: snapshot(s) is taken for every stream by a metrics scrape, the status line and a cluster
+        heartbeat, and asking all N rings for each of N streams held the ledger lock and the GIL ~40 ms at 48
+        streams (bench_host's samples), stalling the pipeline."""
         with self.lock:
+            self.remove_holder(name)
             self._holders[name] = count
+            if stream is None:
+                self._shared[name] = count
+            else:
+                self._own.setdefault(stream, {})[name] = count
 
     def remove_holder(self, name: str) -> None:
         with self.lock:
             self._holders.pop(name, None)
+            self._shared.pop(name, None)
+            for stream, own in list(self._own.items()):
+                if own.pop(name, None) is not None and not own:
+                    del self._own[stream]
+
+    def _held_for(self, stream: str) -> dict[str, Counter]:
+        """What every holder that may hold `stream`'s frames holds (lock held)."""
+        out = {name: count() for name, count in self._shared.items()}
+        out.update((name, count()) for name, count in self._own.get(stream, {}).items())
+        return out
 
     def _held(self) -> dict[str, Counter]:
         return {name: count() for name, count in self._holders.items()}
@@ -84,7 +105,7 @@ class Accounting:
     def held(self, stream: str, *, exclude: tuple[str, ...] = ()) -> int:
         """Frames of `stream` held anywhere in this pool (but in the holders named in `exclude`)."""
         with self.lock:
-            return sum(count()[stream] for name, count in self._holders.items() if name not in exclude)
+            return sum(n[stream] for name, n in self._held_for(stream).items() if name not in exclude)
 
     def held_by_stream(self, *, exclude_prefix: str) -> Counter:
         """Frames held, by stream, in every holder whose name does not start with `exclude_prefix`:
@@ -161,7 +182,7 @@ class Accounting:
     def snapshot(self, stream: str) -> Snapshot:
         with self.lock:
             c = self._streams.get(stream) or StreamCounts()
-            held = {name: n[stream] for name, n in self._held().items() if n[stream]}
+            held = {name: n[stream] for name, n in self._held_for(stream).items() if n[stream]}
             lat = np.asarray(c.latencies_ms, dtype=np.float64)
             snap = Snapshot(stream, c.ingested, c.published, dict(c.dropped), dict(c.failed),
                             sum(held.values()), held, float("nan"), float("nan"))
