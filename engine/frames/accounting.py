@@ -60,6 +60,11 @@ class Snapshot:
         return self.ingested == self.published + sum(self.dropped.values()) + sum(self.failed.values()) + self.in_flight
 
 
+def _key(reason) -> str:
+    """A DropReason/FailReason or its string: the counters' key."""
+    return str(getattr(reason, "value", reason))
+
+
 class Accounting:
     """Thread-safe counters of one pool, keyed by stream, and the registry of frame holders."""
 
@@ -67,9 +72,7 @@ class Accounting:
         self.pool = pool
         self.lock = threading.RLock()
         self._streams: dict[str, StreamCounts] = {}
-        self._holders: dict[str, Holder] = {}
-        self._own: dict[str, dict[str, Holder]] = {}  # holders of one stream's frames only (its ring), by stream
-        self._shared: dict[str, Holder] = {}          # holders of any stream's frames
+        self._holders: dict[str, tuple[Holder, str | None]] = {}  # name -> (count, the one stream it holds or None)
 
     # -- holders -------------------------------------------------------------------------
     def add_holder(self, name: str, count: Holder, stream: str | None = None) -> None:
@@ -78,29 +81,18 @@ class Accounting:
         heartbeat, and asking all N rings for each of N streams held the ledger lock and the GIL ~40 ms at 48
         streams (bench_host's samples), stalling the pipeline."""
         with self.lock:
-            self.remove_holder(name)
-            self._holders[name] = count
-            if stream is None:
-                self._shared[name] = count
-            else:
-                self._own.setdefault(stream, {})[name] = count
+            self._holders[name] = (count, stream)
 
     def remove_holder(self, name: str) -> None:
         with self.lock:
             self._holders.pop(name, None)
-            self._shared.pop(name, None)
-            for stream, own in list(self._own.items()):
-                if own.pop(name, None) is not None and not own:
-                    del self._own[stream]
 
     def _held_for(self, stream: str) -> dict[str, Counter]:
         """What every holder that may hold `stream`'s frames holds (lock held)."""
-        out = {name: count() for name, count in self._shared.items()}
-        out.update((name, count()) for name, count in self._own.get(stream, {}).items())
-        return out
+        return {name: count() for name, (count, only) in self._holders.items() if only is None or only == stream}
 
     def _held(self) -> dict[str, Counter]:
-        return {name: count() for name, count in self._holders.items()}
+        return {name: count() for name, (count, _) in self._holders.items()}
 
     def held(self, stream: str, *, exclude: tuple[str, ...] = ()) -> int:
         """Frames of `stream` held anywhere in this pool (but in the holders named in `exclude`)."""
@@ -112,7 +104,7 @@ class Accounting:
         one pass over the holders for all streams (the core's per-step credit check)."""
         with self.lock:
             total: Counter = Counter()
-            for name, count in self._holders.items():
+            for name, (count, _) in self._holders.items():
                 if not name.startswith(exclude_prefix):
                     total.update(count())
             return total
@@ -136,17 +128,17 @@ class Accounting:
 
     def drop(self, stream: str, reason: str, n: int = 1) -> None:
         with self.lock:
-            self._get(stream).dropped[str(getattr(reason, "value", reason))] += n
+            self._get(stream).dropped[_key(reason)] += n
 
     def dropped_for(self, stream: str, reason: str) -> int:
         """How many of the stream's frames were dropped with `reason` so far (0 for a stream never seen)."""
         with self.lock:
             c = self._streams.get(stream)
-            return c.dropped.get(str(getattr(reason, "value", reason)), 0) if c is not None else 0
+            return c.dropped.get(_key(reason), 0) if c is not None else 0
 
     def fail(self, stream: str, reason: str, n: int = 1) -> None:
         with self.lock:
-            self._get(stream).failed[str(getattr(reason, "value", reason))] += n
+            self._get(stream).failed[_key(reason)] += n
 
     def forget(self, stream: str) -> None:
         """A removed stream's entry goes (bounded memory and metric series under churn)."""

@@ -117,7 +117,6 @@ class FrameRing:
         self._bursty = 0  # remote writer: frames committed sooner after the one before than half their capture gap
         self._last_commit: tuple[float, float] = (0.0, math.inf)  # (commit time, capture time) of the last one
         self._window: Optional[tuple[float, int, int, int, int]] = None  # (start, committed, shed, bursty, superseded)
-        self._lean_said = False
         # The live view's tap (engine/view/hub.py): offered each frame a worker has built its input
         # from, before its slot is freed. None when the view is off. For a GPU slot it is also given the
         # slot's `ready` and release (`after`) events, and returns the event after which its own queued reads
@@ -387,9 +386,9 @@ class FrameRing:
         the frame just committed is never dropped before the core could take it (the writer sheds its next
         frame at the source instead, counted). Offline: only free slots (the writer waits for them)."""
         with self._cond:
+            spells = self.lean_spells
             out = self._lend(credit)
-            first_lean = self.lean_spells == 1 and not self._lean_said
-            self._lean_said |= first_lean
+            first_lean = spells == 0 and self.lean_spells == 1
         if first_lean:  # once a stream (it may go in and out of it every few seconds), outside the ledger lock
             log.info("stream %s: its frames arrive late and in bursts, and the scheduler superseded more than %d%% of "
                      "them in %g s: a credit of one frame while it is behind (its next frames are shed before their "
