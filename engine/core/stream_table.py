@@ -90,6 +90,11 @@ class StreamTable:
         self._told_threads: set[str] = set()  # why some streams stay threads, logged once per reason
         self._view = view  # the live view's hub, or None
         self._entries: dict[str, StreamEntry] = {}
+        # The streams poll() looks at: those with a ring closed (FrameRing.on_close, any thread), removed, stopped
+        # or ended, until forgotten. A running stream has nothing to poll for; looking at all of them on every core
+        # step was ~1/8 of the core's work per frame at 48 streams. Set from other threads, read on the core's
+        # (list() of a dict is one C call under the GIL); only the core thread takes entries out.
+        self._watch: dict[StreamEntry, None] = {}
         self._deferred: list[tuple[StreamConfig, Future]] = []  # adds waiting for a removed id to go
         self.frame_budget = FrameMemoryBudget(total_memory_bytes(cfg.ring.total_memory_mb))
         self.dead_reason: Optional[str] = None
@@ -214,6 +219,9 @@ class StreamTable:
                                           storage=SharedHostSlots() if remote else None)
             if self._view is not None:
                 entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
+            entry.rings[name].on_close = functools.partial(self._watch.__setitem__, entry, None)
+        if not pools:  # nothing to close: done as soon as polled
+            self._watch[entry] = None
         size = getattr(source, "frame_size", None)  # (w, h) known before opening (synthetic sources)
         if size is not None:
             try:
@@ -280,6 +288,7 @@ class StreamTable:
         for ring in entry.rings.values():
             ring.close()
         self._entries.pop(entry.id, None)
+        self._watch.pop(entry, None)
         self._publisher.forget(entry.id)
         if self._view is not None:
             self._view.forget(entry.id)
@@ -297,6 +306,7 @@ class StreamTable:
             return fut
         entry.removal = Future()
         entry.reap_by = time.monotonic() + self.reap_bound_s
+        self._watch[entry] = None
         if entry.eos_queued:  # it had ended already: its eos is out (or on its way); just forget it
             entry.state = "removing"
             if entry.ingest:
@@ -316,6 +326,7 @@ class StreamTable:
         (drain) unless the pools are aborted."""
         self._stopping = True
         for entry in self._entries.values():
+            self._watch[entry] = None
             if not entry.reason and not entry.eos_queued:
                 entry.reason = reason
             if entry.ingest:
@@ -327,7 +338,10 @@ class StreamTable:
     def poll(self) -> None:
         """Queue the eos of every stream that is done, forget removed streams whose eos went out and
         ended ones past their keep (time or count)."""
-        for entry in list(self._entries.values()):
+        for entry in list(self._watch):
+            if self._entries.get(entry.id) is not entry:  # forgotten (or undone)
+                self._watch.pop(entry, None)
+                continue
             if not entry.eos_queued and self._done(entry):
                 self._queue_eos(entry)
             if entry.state == "removing" and entry.eos_sent and self._reaped(entry):
@@ -348,8 +362,9 @@ class StreamTable:
         more than max_ended are kept; their final state goes into the history."""
         if self.keep_ended or self._stopping or self.dead_reason:
             return
-        done = sorted((e for e in self._entries.values() if e.state == "ended" and e.eos_sent and not e.kept),
-                      key=lambda e: e.ended_at)
+        # every ended stream is watched (it ended in poll): the running ones need not be looked at
+        done = sorted((e for e in list(self._watch) if e.state == "ended" and e.eos_sent and not e.kept
+                       and self._entries.get(e.id) is e), key=lambda e: e.ended_at)
         if not done:
             return
         excess, now = len(done) - self.cfg.max_ended, time.monotonic()
@@ -383,6 +398,7 @@ class StreamTable:
 
     def _queue_eos(self, entry: StreamEntry) -> None:
         entry.eos_queued = True
+        self._watch[entry] = None
         ingest = entry.ingest
         if ingest is not None and ingest.failed:
             entry.failed = True
@@ -428,6 +444,7 @@ class StreamTable:
 
     def _forget(self, entry: StreamEntry) -> None:
         del self._entries[entry.id]
+        self._watch.pop(entry, None)
         for name in entry.pools:
             pool = self._pools[name]
             # A stream that ended by itself (or was removed after it ended) is still attached: its closed,

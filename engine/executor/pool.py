@@ -62,6 +62,10 @@ class Pool:
         self.faults = FaultPolicy(spec.name, max_failures=faults.max_failures, window_s=faults.window_s, clock=clock)
         self._batch_timeout_s, self._credit, self._metrics = faults.batch_timeout_s, credit, metrics
         self.rings: dict[str, FrameRing] = {}
+        # the rings holding READY frames (FrameRing.ready_set, under the ledger lock): what _pull looks at
+        self._ready: dict[FrameRing, None] = {}
+        self._attached: dict[FrameRing, int] = {}  # ring -> attach order: _pull takes rings in it, as before
+        self._attach_count = 0
         self._next_batch = 0
         self.drop_log = DropLog(spec.name, self.acct.lock)
         self.output = OutputStage(spec.name, weights=spec.models[0].weights_tag, acct=self.acct,
@@ -140,6 +144,11 @@ class Pool:
     def attach(self, ring: FrameRing) -> None:
         with self.acct.lock:
             self.rings[ring.stream] = ring
+            self._attached[ring] = self._attach_count
+            self._attach_count += 1
+            ring.ready_set = self._ready
+            if ring.ready():  # frames written before the attach (a ring is attached before its writer starts)
+                self._ready[ring] = None
             self.acct.add_holder(f"ring:{ring.stream}", lambda: Counter({ring.stream: ring.ready()}),
                                  stream=ring.stream)  # its own frames only: another stream's snapshot skips it
         self.qos.attach(ring.stream, live=ring.live, max_interval=ring.max_interval)
@@ -155,6 +164,9 @@ class Pool:
             if ring is not None:
                 ring.close()
                 frames += ring.take_ready()
+                ring.ready_set = None
+                self._ready.pop(ring, None)
+                self._attached.pop(ring, None)
             for fv in frames:
                 self._drop(fv, reason)
             self.acct.remove_holder(f"ring:{stream}")
@@ -206,15 +218,28 @@ class Pool:
     def _pull(self, now: float) -> None:
         """Ledger lock held. An offline stream takes no more than its credit: results it has in the
         pipeline and at the publisher are bounded, so a stalled subscriber stops only that stream."""
+        if not self._ready:
+            return
+        # only the rings that got frames since the last pull (or kept some: an offline one at its credit), in
+        # attach order; each goes back in the set if it keeps READY frames
+        rings = sorted(self._ready, key=lambda r: self._attached.get(r, -1))
+        self._ready.clear()
         # a ring holds only its own stream's frames, so leaving out every ring is leaving out the stream's own
-        held = self.acct.held_by_stream(exclude_prefix="ring:") if any(not r.live for r in self.rings.values()) else None
-        for stream, ring in self.rings.items():
+        held = self.acct.held_by_stream(exclude_prefix="ring:") if any(not r.live for r in rings) else None
+        for ring in rings:
+            stream = ring.stream
+            if self.rings.get(stream) is not ring:  # detached meanwhile (its frames were dropped with it)
+                continue
             limit = None
             if not ring.live:
                 limit = self._credit - held[stream]
                 if limit <= 0:
+                    self._ready[ring] = None
                     continue
-            for fv in ring.take_ready(limit):
+            taken = ring.take_ready(limit)
+            if limit is not None and ring.ready():
+                self._ready[ring] = None
+            for fv in taken:
                 if ring.live and not self.qos.keep(stream):
                     self._drop(fv, DropReason.INTERVAL)
                     continue

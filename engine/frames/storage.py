@@ -169,30 +169,30 @@ class SharedHostSlots(SlotStorage):
 
     def __init__(self):
         self._tensors: list[Optional[torch.Tensor]] = []
+        self._shapes: list[Optional[tuple[int, int]]] = []  # each slot's (h, w): read per frame, no torch call
         self.segment: Any = None
-        self._views: Optional[torch.Tensor] = None  # (count, h, w, 3) over the current segment
+        # each slot's (h, w, 3) view of the current segment, made once at map(): indexing a tensor per frame cost
+        # the core's I/O thread a few microseconds a lend
+        self._views: list[torch.Tensor] = []
 
     def map(self, segment: Any) -> None:
         """The ring's current segment (an engine.ingest.slots.Segment): slots allocated from now on view it."""
         self.segment = segment
-        self._views = torch.from_numpy(segment.array)
+        self._views = list(torch.from_numpy(segment.array).unbind(0))
 
     def resize(self, n: int) -> None:
         self._tensors = [None] * n
+        self._shapes = [None] * n
 
     def frame_size(self, frame: Any) -> tuple[int, int]:
         return HostSlots.frame_size(self, frame)
 
     def allocate(self, slot: int, h: int, w: int) -> None:
-        t = self._tensors[slot]
-        if t is not None and tuple(t.shape[:2]) == (h, w) and self._views is not None \
-                and t.data_ptr() == self._views[slot].data_ptr():
-            return
         seg = self.segment
         if seg is None or (seg.h, seg.w) != (h, w) or slot >= seg.count:
             raise ValueError(f"slot {slot} of {w}x{h} is not in the ring's segment "
                              f"({None if seg is None else f'{seg.count} x {seg.w}x{seg.h}'})")
-        self._tensors[slot] = self._views[slot]
+        self._tensors[slot], self._shapes[slot] = self._views[slot], (h, w)  # the current segment's, always
 
     def write(self, slot: int, frame: Any, ready: Any = None) -> None:
         """The core never writes these slots (its ingest process does); tests may, through a numpy view."""
@@ -205,11 +205,10 @@ class SharedHostSlots(SlotStorage):
         return self._tensors[slot]
 
     def free(self, slot: int) -> None:
-        self._tensors[slot] = None
+        self._tensors[slot] = self._shapes[slot] = None
 
     def shape(self, slot: int) -> Optional[tuple[int, int]]:
-        t = self._tensors[slot]
-        return None if t is None else (int(t.shape[0]), int(t.shape[1]))
+        return self._shapes[slot]
 
     def nbytes(self, slot: int) -> int:
         t = self._tensors[slot]
