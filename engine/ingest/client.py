@@ -1,9 +1,9 @@
 """The core side of the ingest processes: one I/O thread, the streams' leases, RemoteIngest per stream.
 
-The I/O thread ("ingest-io") owns every socket: a PULL connected to every process's endpoint for what the
-processes send (frames, events, states, heartbeats; each process's messages arrive in its order: a stream's
-eos state comes after its last frame), and one PUSH per process for commands. It sleeps in a zmq.Poller on
-that PULL and an os.eventfd, which the core thread's add/remove write to, and the rings' release
+The I/O thread ("ingest-io") owns every socket: each process's uplink (uplink.py: a seqpacket socketpair) for
+what it sends (frames, events, states, heartbeats; in its order: a stream's eos state comes after its last
+frame), and one ZeroMQ PUSH per process for commands. It sleeps in a poll on the uplinks and an os.eventfd,
+which the core thread's add/remove write to, and the rings' release
 (`FrameRing.on_free`) when the stream's process holds no lent slot (else the process's next FrameReady wakes
 the thread anyway): a freed slot is lent back as a credit within one wake-up, and no socket is touched by
 another thread. Each wake-up drains descriptors in bulk and commits them to the rings (the ring's critical
@@ -28,7 +28,9 @@ import math
 import multiprocessing
 import os
 import secrets
+import select
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -45,6 +47,7 @@ from engine.frames.ring import FrameRing
 from engine.ingest import wire
 from engine.ingest.cuda_slots import PendingFrames
 from engine.ingest import slots as ingest_slots
+from engine.ingest import uplink
 from engine.ingest.slots import Segment, ShmSpaceError
 from engine.ingest.supervisor import IngestProcess, RestartPolicy, exit_reason
 
@@ -140,14 +143,14 @@ class IngestHub:
         self._mp = multiprocessing.get_context("forkserver")
         self._mp.set_forkserver_preload(_PRELOAD)
         self._ctx = zmq.Context()
-        # The engine binds nothing here: each ingest process binds its two endpoints and the engine connects. A
+        # The engine binds nothing here: each ingest process binds its command endpoint and the engine connects. A
         # listener in the engine would accept on every connection, and libzmq's ipc listener aborts the process
         # when accept() fails with EMFILE (src/ipc_listener.cpp:297: a descriptor flood on the control port killed
-        # the engine); a connecter that cannot get a descriptor just retries (ipc_connecter.cpp).
-        self._up = self._ctx.socket(zmq.PULL)
-        self._up.setsockopt(zmq.RCVHWM, 100_000)
-        self._up.setsockopt(zmq.LINGER, 0)
-        self._up.setsockopt(zmq.RECONNECT_IVL, 10)  # a new process's endpoint appears within ms of its start
+        # the engine); a connecter that cannot get a descriptor just retries (ipc_connecter.cpp). The uplinks are
+        # socketpairs made before each start: no listener either.
+        self._readers: dict[int, uplink.Reader] = {}  # fd -> each process's uplink (and tests' injected ones)
+        self._buf = bytearray(uplink.MAX_MESSAGE)     # the I/O thread's one receive buffer
+        self._poller = select.poll()                  # the I/O thread's only
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._inbox: deque = deque()            # ("add" | "remove" | "credit", stream) from other threads
         self._leases: dict[str, _Lease] = {}    # the I/O thread's, but for add (before it is submitted)
@@ -192,10 +195,12 @@ class IngestHub:
         except OSError:  # closed: the hub is shutting down
             pass
 
-    def connect_up(self, endpoint: str) -> None:
-        """Read `endpoint` (bound by someone else) as if an ingest process sent on it: tests inject forged and
-        stale messages this way. Applied by the I/O thread, the socket's one user."""
-        self._submit(("connect", endpoint))
+    def open_uplink(self) -> socket.socket:
+        """A sending end the I/O thread reads as if an ingest process sent on it: tests inject forged and stale
+        messages this way. The reader is registered by the I/O thread, the poller's one user."""
+        core, theirs = uplink.pair()
+        self._submit(("reader", uplink.Reader(core)))
+        return theirs
 
     def health(self) -> Optional[str]:
         """Why ingest cannot go on (its I/O thread died), or None; the core checks it every step."""
@@ -217,18 +222,19 @@ class IngestHub:
 
     # -- the I/O thread --------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._up, zmq.POLLIN)
-        poller.register(self._efd, zmq.POLLIN)
+        self._poller.register(self._efd, select.POLLIN)
         next_check = 0.0
         try:
             while not self._closing:
-                poller.poll(1 if self._pending.held else 50)  # a GPU copy being polled: ~1 ms, not 50
-                try:
-                    os.eventfd_read(self._efd)
-                except BlockingIOError:
-                    pass
-                credit = self._drain_up()
+                credit: set[str] = set()
+                for fd, _ in self._poller.poll(1 if self._pending.held else 50):  # a GPU copy polled: ~1 ms, not 50
+                    if fd == self._efd:
+                        try:
+                            os.eventfd_read(self._efd)
+                        except BlockingIOError:
+                            pass
+                    elif (reader := self._readers.get(fd)) is not None:
+                        self._read(reader, credit)
                 if self._pending.held:
                     self._pending.poll()
                 if self._to_wake is not None:  # every ring shares the core's wake: once for the batch
@@ -244,25 +250,40 @@ class IngestHub:
             log.exception("ingest I/O thread crashed")
             self.dead = f"ingest I/O thread crashed: {type(err).__name__}: {err}"
 
-    def _drain_up(self, limit: int = 4096) -> set[str]:
-        """Handle up to `limit` waiting messages (bounded: commands and supervision are not starved by a
-        flood); the streams that got a frame. `self._up_empty`: whether it stopped because none was left."""
-        touched: set[str] = set()
-        self._up_empty = False
+    def _add_reader(self, reader: uplink.Reader) -> None:
+        self._readers[reader.fd] = reader
+        self._poller.register(reader.fd, select.POLLIN)
+
+    def _drop_reader(self, reader: uplink.Reader) -> None:
+        if self._readers.get(reader.fd) is reader:
+            del self._readers[reader.fd]
+            self._poller.unregister(reader.fd)
+        reader.close()
+
+    def _read(self, reader: uplink.Reader, touched: set[str], limit: int = 4096) -> bool:
+        """Handle up to `limit` of one uplink's waiting messages (bounded: commands, supervision and the other
+        processes are not starved by a flood), adding the streams that got a frame to `touched`. True when it
+        stopped because none was left (or at its end of file: the reader is dropped then)."""
+        buf = self._buf
         for _ in range(limit):
+            n = reader.read(buf)
+            if n is None:
+                return True
+            if n == 0:
+                self._drop_reader(reader)
+                return True
+            if n > len(buf):
+                self.bad_messages += 1
+                log.warning("ingest: dropped a message of %d bytes (the longest read is %d)", n, len(buf))
+                continue
             try:
-                data = self._up.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                self._up_empty = True
-                break
-            try:
-                msg = wire.decode(data)
+                msg = wire.decode(memoryview(buf)[:n])
             except wire.WireError as err:
                 self.bad_messages += 1
                 log.warning("ingest: dropped a message that is not ours: %s", err)
                 continue
             self._handle(msg, touched)
-        return touched
+        return False
 
     def _handle(self, msg: Any, touched: set[str]) -> None:
         if isinstance(msg, (wire.Ready, wire.Heartbeat)):
@@ -452,8 +473,8 @@ class IngestHub:
         credit: set[str] = set()
         while self._inbox:
             what, stream = self._inbox.popleft()
-            if what == "connect":  # connect_up: `stream` is an endpoint here
-                self._up.connect(stream)
+            if what == "reader":  # open_uplink: `stream` is the Reader here
+                self._add_reader(stream)
                 continue
             lease = self._leases.get(stream)
             if lease is None:
@@ -535,25 +556,33 @@ class IngestHub:
         processes; the caller retries the placement)."""
         idx = next(i for i in range(len(self._procs) + 1) if i not in self._procs)
         gen = self._gens[idx] = self._gens.get(idx, -1) + 1
-        up_addr, cmd_addr = f"ipc://{self._dir}/u{idx}-{gen}", f"ipc://{self._dir}/c{idx}-{gen}"
-        cmd, handle = self._ctx.socket(zmq.PUSH), None
+        cmd_addr = f"ipc://{self._dir}/c{idx}-{gen}"
+        core_end, theirs = uplink.pair()
+        cmd, handle = None, None
         try:
+            cmd = self._ctx.socket(zmq.PUSH)
             cmd.setsockopt(zmq.SNDHWM, 100_000)
             cmd.setsockopt(zmq.LINGER, 0)
-            cmd.setsockopt(zmq.RECONNECT_IVL, 10)
+            cmd.setsockopt(zmq.RECONNECT_IVL, 10)  # a new process's endpoint appears within ms of its start
             cmd.connect(cmd_addr)
             ic = self.cfg.ingest
+            # forkserver passes `theirs` with the arguments (SCM_RIGHTS): the process's own descriptor
             handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
-                                      args=(idx, gen, up_addr, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
+                                      args=(idx, gen, theirs, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
             handle.start()
-            self._up.connect(up_addr)
         except BaseException:
-            cmd.close(0)
+            core_end.close()
+            if cmd is not None:
+                cmd.close(0)
             if handle is not None and handle.pid is not None:  # started, but not ours to supervise: ended here
                 handle.kill()
                 handle.join(2.0)
             raise
-        proc = IngestProcess(idx, gen, handle, cmd, up_addr, dedicated=dedicated)
+        finally:
+            theirs.close()  # the process has its own copy: its death is then the uplink's end of file here
+        proc = IngestProcess(idx, gen, handle, cmd, uplink.Reader(core_end), dedicated=dedicated)
+        proc.up.owner = proc
+        self._add_reader(proc.up)
         self._procs[idx] = proc
         log.info("ingest: started %s%s", proc.label, " for one stream (quarantine)" if dedicated else "")
         return proc
@@ -603,21 +632,18 @@ class IngestHub:
 
     def _died(self, proc: IngestProcess) -> None:
         reason = proc.kill_reason or exit_reason(proc.handle.exitcode)
-        # what it sent before dying is committed first (its frames are published): all of it, since a disconnect
-        # discards what is unread; bytes still in the kernel's buffer are lost (a seq gap, docs/concepts.md)
+        # what it sent before dying is committed first (its frames are published): all of it, up to its uplink's
+        # end of file (a socketpair keeps what was sent after the sender is gone), not to the first batch without a
+        # frame (a run of states, say); bounded all the same
         touched: set[str] = set()
-        for _ in range(64):  # to the end, not to the first batch without a frame (a run of states, say); bounded,
-            touched |= self._drain_up()  # as the other processes go on sending meanwhile
-            if self._up_empty:
+        for _ in range(64):
+            if self._read(proc.up, touched):
                 break
+        self._drop_reader(proc.up)
         self._procs.pop(proc.idx, None)
         # never a credit for the dead process: its slots are reclaimed below
         self._top_up({s for s in touched if (lease := self._leases.get(s)) is not None and lease.proc is not proc})
         proc.cmd.close(0)
-        try:
-            self._up.disconnect(proc.up_addr)  # else libzmq retries the dead endpoint every 10 ms for ever
-        except zmq.ZMQError:
-            pass
         proc.handle.join(0)
         if not proc.streams:
             if not (self._closing or proc.dedicated):
@@ -681,7 +707,9 @@ class IngestHub:
             lease.remote._ended.set()
         for name in _segments_of(self._run):  # one whose creation failed half-way, or a lease never ended
             Segment.remove(name)
-        self._up.close(0)
+        for reader in list(self._readers.values()):
+            reader.close()
+        self._readers.clear()
         self._ctx.term()
         efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
         os.close(efd)

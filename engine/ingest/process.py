@@ -9,8 +9,9 @@ is attached), but the core does not place NVDEC streams in processes yet (engine
 
 Threads (vLLM's EngineCoreProc shape): the main thread receives commands (add, remove, slots, credits) and
 sends heartbeats with every stream's state; one IngestThread per stream decodes and writes. The streams'
-threads and the main thread share one PUSH socket under a lock (a send is ~2 us; a thread of its own and a
-queue would cost a wake-up per frame instead). The process exits when the core dies (its parent sentinel).
+threads and the main thread send on the process's uplink (uplink.py), each send one atomic packet: no lock,
+and no thread of its own (a queue would cost a wake-up per frame). The process exits when the core dies (its
+parent sentinel).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,15 +44,15 @@ log = logging.getLogger("vidar.ingest")
 
 
 class _Sender:
-    """The process's one PUSH socket, shared by its threads under a lock."""
+    """The process's end of its uplink (uplink.py), shared by its threads: a send is one atomic packet, so no
+    lock (under a lock, a sender waiting to retake the GIL after its send held up every other sender). Blocks
+    while the socket's buffer is full (the core is not reading)."""
 
-    def __init__(self, sock: zmq.Socket):
-        self._sock, self._lock = sock, threading.Lock()
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
 
     def __call__(self, msg: Any) -> None:
-        data = wire.encode(msg)
-        with self._lock:
-            self._sock.send(data)
+        self._sock.send(wire.encode(msg))
 
 
 class RemoteRing:
@@ -189,9 +191,9 @@ class _Stream(IngestThread):
 
 def _state(s: IngestThread, gen: int, final: bool = False) -> wire.StreamState:
     src = s.source
-    return wire.StreamState(s.stream, gen, s.state, s.failed, s.end_reason, s.total_frames, s.reconnects,
-                            src.decode_errors, s.seq, s.ring.dropped, src.decode_device, src.decode_reason, final,
-                            s.ring.expired)
+    return wire.StreamState(s.stream, gen, s.state, s.failed, wire.clip(s.end_reason), s.total_frames, s.reconnects,
+                            src.decode_errors, s.seq, s.ring.dropped, src.decode_device, wire.clip(src.decode_reason),
+                            final, s.ring.expired)
 
 
 class _Child:
@@ -217,7 +219,7 @@ class _Child:
         scfg = StreamConfig.model_validate(msg.config)  # revalidated on arrival: the wire is not trusted blindly
         src = SourceConfig.model_validate(msg.source)
         live = scfg.mode == "live"
-        emit = lambda stream, kind, reason: self._send(wire.StreamEvent(stream, kind, reason, msg.gen))  # noqa: E731
+        emit = lambda stream, kind, reason: self._send(wire.StreamEvent(stream, kind, wire.clip(reason), msg.gen))  # noqa: E731
         try:
             source = sources.open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
                                          read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=msg.max_frame_pixels,
@@ -243,8 +245,8 @@ class _Child:
         with self._lock:
             if self.streams.get(msg.stream, (None, None))[1] == msg.gen:  # its own entry, never an older one's
                 del self.streams[msg.stream]
-        self._send(wire.StreamEvent(msg.stream, "error", reason, msg.gen))
-        self._send(wire.StreamState(msg.stream, msg.gen, "failed", True, f"error: {reason}", None, 0, 0,
+        self._send(wire.StreamEvent(msg.stream, "error", wire.clip(reason), msg.gen))
+        self._send(wire.StreamState(msg.stream, msg.gen, "failed", True, wire.clip(f"error: {reason}"), None, 0, 0,
                                     msg.start_seq, 0, final=True))
 
     def _ended(self, t: _Stream) -> None:
@@ -315,8 +317,9 @@ def _commands(child: _Child, cmd: zmq.Socket, proc: int) -> bool:
     return False
 
 
-def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, nice: int, imports: list[str]) -> None:
-    """The process's entry point (multiprocessing target)."""
+def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: float, nice: int,
+         imports: list[str]) -> None:
+    """The process's entry point (multiprocessing target). `up`: its end of the uplink (uplink.pair)."""
     # Ctrl-C in a terminal signals the whole process group, and systemd's stop the whole cgroup: an ingest process
     # that died of it mid-drain was taken for a crash and restarted. The core owns the shutdown: it tells each
     # process to exit (wire.Exit), and a process whose core is gone exits by itself (the parent watch below).
@@ -329,10 +332,6 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, n
         importlib.import_module(name)
     ctx = zmq.Context()
     # this process binds and the engine connects (never the other way: see client.IngestHub)
-    up = ctx.socket(zmq.PUSH)
-    up.setsockopt(zmq.LINGER, 2000)  # the last states of a clean exit reach the core
-    up.setsockopt(zmq.SNDHWM, 100_000)
-    up.bind(up_addr)
     cmd = ctx.socket(zmq.PULL)
     cmd.bind(cmd_addr)
     send = _Sender(up)
@@ -361,5 +360,5 @@ def main(proc: int, gen: int, up_addr: str, cmd_addr: str, heartbeat_s: float, n
     finally:
         child.stop_all(timeout=5.0)
         cmd.close(0)
-        up.close()
         ctx.term()
+        up.close()  # what was sent is in the core's end already: it reads it up to the end of file

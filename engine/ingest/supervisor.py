@@ -39,7 +39,7 @@ class IngestProcess:
     gen: int
     handle: Any                      # multiprocessing Process
     cmd: Any                         # the core's PUSH socket, connected to the process's command endpoint
-    up_addr: str                     # the endpoint it binds for what it sends (the core's PULL connects to it)
+    up: Any                          # the core's end of its uplink (uplink.Reader): what it sends
     dedicated: bool = False          # holds one quarantined stream
     streams: set = field(default_factory=set)
     pid: Optional[int] = None

@@ -5,7 +5,8 @@ decode that fails loudly when the two sides drift. One frame, not two (type, pay
 retakes the GIL around every frame it sends or receives, and under load each retake waits for whichever
 thread holds it; a frame less per message halved those waits on the core's I/O thread. No pickle crosses: an unknown type byte is a
 `WireError`. Pixels never cross; a FrameReady names the slot they were copied into. The public ZeroMQ
-schema (engine/publish/schema.py) is unrelated and unchanged.
+schema (engine/publish/schema.py) is unrelated and unchanged. What a process sends goes on its uplink (uplink.py,
+a seqpacket socketpair); commands come down a ZeroMQ PUSH (client.py).
 """
 
 from __future__ import annotations
@@ -181,3 +182,11 @@ def decode(data: Any) -> _Msg:
 
 
 INF = math.inf
+
+#: the longest text (a reason) a process sends: every up message then fits uplink.MAX_MESSAGE
+TEXT_MAX = 2000
+
+
+def clip(text: str) -> str:
+    """A reason as sent up: at most TEXT_MAX characters (an error quoting a long URL or a traceback)."""
+    return text if len(text) <= TEXT_MAX else text[:TEXT_MAX - 3] + "..."

@@ -10,7 +10,6 @@ from collections import Counter
 
 import psutil
 import pytest
-import zmq
 
 from engine.core.engine import Engine
 from engine.errors import ConfigError
@@ -256,16 +255,12 @@ def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
     process's leftover would arrive) is dropped and counted, never committed; one naming a slot that is not
     lent is refused too; the ledger stays exact."""
     eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
-    ctx = zmq.Context.instance()
-    push = ctx.socket(zmq.PUSH)
+    push = None
     try:
         eng.start()
         assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
         lease = eng.ingest._leases["a"]
-        forger = f"ipc://{eng.ingest._dir}/forger"  # a short path (ipc's 107 bytes), removed with the engine
-        push.setsockopt(zmq.SNDTIMEO, 5000)
-        push.bind(forger)  # as an ingest process does; the engine connects to it
-        eng.ingest.connect_up(forger)
+        push = eng.ingest.open_uplink()  # read by the engine as an ingest process's uplink is
         acct = eng.pools["classify"].acct
         before = eng.stream_counters()["ingest"]
         stale = wire.FrameReady("a", 0, lease.assign_gen - 1, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64, ("bt601", "limited"))
@@ -280,7 +275,8 @@ def test_descriptor_of_a_dead_generation_is_dropped_and_counted(endpoint):
         assert eng.audit() == {}
         assert acct.snapshot("a").ingested == 0  # forgotten; and no result with the injected seq went out
     finally:
-        push.close(0)
+        if push is not None:
+            push.close()
         _stop(eng)
 
 

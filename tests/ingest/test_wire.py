@@ -3,6 +3,9 @@ one Credits message per process for every stream lent slots in one wake-up of th
 
 from __future__ import annotations
 
+import functools
+import select
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +13,7 @@ import zmq
 
 from engine.ingest import client as ingest_client
 from engine.ingest import process as ingest_process
-from engine.ingest import wire
+from engine.ingest import uplink, wire
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -78,27 +81,92 @@ def test_an_ingest_process_applies_every_command_waiting_and_each_credit_to_its_
 
 
 def test_a_dead_process_s_messages_are_drained_to_the_end_not_to_the_first_batch_without_a_frame():
-    """_died commits what a process sent before dying, then disconnects its endpoint (which discards what is
-    unread): it must read past a batch that held no frame (here 5,000 heartbeats of nobody, then a frame)."""
-    hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)  # the drain's state only
-    hub._procs, hub._leases, hub.bad_messages, hub.stale_descriptors, hub._closing = {}, {}, 0, 0, True
-    ctx = zmq.Context()
-    push, hub._up = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    push.setsockopt(zmq.SNDHWM, 0)  # no high-water mark: all 5,001 wait in the pipe
-    hub._up.setsockopt(zmq.RCVHWM, 0)
+    """_died commits what a process sent before dying, then drops its uplink: it reads to the uplink's end of
+    file, past a batch that held no frame (here 5,000 heartbeats of nobody, then a frame), though the process
+    is gone (a socketpair keeps what was sent)."""
+    hub = _reading_hub()
+    core, theirs = uplink.pair()
+    reader = uplink.Reader(core)
     try:
-        hub._up.bind("inproc://up")
-        push.connect("inproc://up")
-        for _ in range(5000):
-            push.send(wire.encode(wire.Heartbeat(9, 1, 0.0)))
-        push.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
+        theirs.setblocking(False)
+        sent = 0
+        for _ in range(5000):  # as many as its send buffer takes (net.core.wmem_max caps it), up to 5,000
+            try:
+                theirs.send(wire.encode(wire.Heartbeat(9, 1, 0.0)))
+            except BlockingIOError:
+                break
+            sent += 1
+        assert sent > 100  # several of the reader's batches' worth would need a smaller limit: see below
+        theirs.setblocking(True)
+        theirs.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
+        theirs.close()  # the process is gone: what it sent is still there
+        hub._add_reader(reader)
+        hub._read = functools.partial(hub._read, limit=max(1, sent // 8))  # a batch is a few heartbeats only
         dead = SimpleNamespace(kill_reason="test", idx=9, handle=SimpleNamespace(join=lambda _: None),
-                               cmd=SimpleNamespace(close=lambda _: None), up_addr="inproc://nowhere", streams=set())
-        assert hub._up.poll(5000)
-        hub._died(dead)  # a process holding no stream: drained, disconnected, nothing to restart
-        assert hub.stale_descriptors == 1  # the frame after the 5,000 heartbeats was read (of a stream gone)
-        assert not hub._up.poll(0)
+                               cmd=SimpleNamespace(close=lambda _: None), up=reader, streams=set())
+        hub._died(dead)  # a process holding no stream: drained, its uplink dropped, nothing to restart
+        assert hub.stale_descriptors == 1  # the frame after the heartbeats was read (of a stream gone)
+        assert reader.eof and not hub._readers
     finally:
-        push.close(0)
-        hub._up.close(0)
-        ctx.term()
+        reader.close()
+        theirs.close()
+
+
+def test_an_uplink_message_too_long_is_counted_and_the_next_one_read():
+    """A packet longer than the reader's buffer (a forgery: a process clips its texts to wire.TEXT_MAX) is
+    counted in bad_messages, never decoded from its cut bytes; the message after it is read."""
+    hub = _reading_hub()
+    core, theirs = uplink.pair()
+    reader = uplink.Reader(core)
+    try:
+        theirs.send(wire.encode(wire.StreamEvent("x", "error", "r" * (2 * uplink.MAX_MESSAGE), 1)))
+        theirs.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
+        assert hub._read(reader, set()) is True  # emptied
+        assert hub.bad_messages == 1 and hub.stale_descriptors == 1
+        assert len(wire.encode(wire.StreamEvent("x", "error", wire.clip("r" * 10 ** 6), 1))) < uplink.MAX_MESSAGE
+    finally:
+        reader.close()
+        theirs.close()
+
+
+def _reading_hub() -> ingest_client.IngestHub:
+    """A hub with only what reading its uplinks needs: no thread, no process."""
+    hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)
+    hub._procs, hub._leases, hub.bad_messages, hub.stale_descriptors, hub._closing = {}, {}, 0, 0, True
+    hub._readers, hub._poller, hub._buf = {}, select.poll(), bytearray(uplink.MAX_MESSAGE)
+    return hub
+
+
+def test_an_uplink_takes_sends_from_many_threads_at_once_each_message_whole_and_in_its_thread_s_order():
+    """The ingest process's threads share its uplink without a lock (process._Sender): every message arrives
+    whole (one packet each: the kernel keeps the boundaries) and each thread's messages in its order, which is
+    what puts a stream's final state after its last frame."""
+    core, theirs = uplink.pair()
+    reader, send = uplink.Reader(core), ingest_process._Sender(theirs)
+    threads_n, each = 8, 400
+    got: dict[str, list[int]] = {f"s{i}": [] for i in range(threads_n)}
+    buf = bytearray(uplink.MAX_MESSAGE)
+
+    def sender(i: int) -> None:
+        for seq in range(each):
+            send(wire.FrameReady(f"s{i}", 0, 1, seq, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"),
+                                 0, 0.0, 0))
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(threads_n)]
+    try:
+        for t in threads:
+            t.start()
+        sel = select.poll()
+        sel.register(reader.fd, select.POLLIN)
+        while sum(map(len, got.values())) < threads_n * each:
+            assert sel.poll(10_000), "the senders stalled"
+            while (n := reader.read(buf)) is not None:
+                assert 0 < n <= len(buf)
+                msg = wire.decode(memoryview(buf)[:n])
+                got[msg.stream].append(msg.seq)
+        assert all(seqs == list(range(each)) for seqs in got.values())
+    finally:
+        for t in threads:
+            t.join(10)
+        reader.close()
+        theirs.close()
