@@ -272,6 +272,9 @@ class IngestHub:
             if n == 0:
                 self._drop_reader(reader)
                 return True
+            if n < 0:  # an empty packet
+                self.bad_messages += 1
+                continue
             if n > len(buf):
                 self.bad_messages += 1
                 log.warning("ingest: dropped a message of %d bytes (the longest read is %d)", n, len(buf))
@@ -558,6 +561,9 @@ class IngestHub:
         gen = self._gens[idx] = self._gens.get(idx, -1) + 1
         cmd_addr = f"ipc://{self._dir}/c{idx}-{gen}"
         core_end, theirs = uplink.pair()
+        if not self._procs and not self._gens.get(idx):  # once: what a process may queue before it blocks
+            log.info("ingest: each process's uplink buffers %d KiB (asked %d; net.core.wmem_max caps it)",
+                     theirs.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 1024, uplink.SNDBUF // 1024)
         cmd, handle = None, None
         try:
             cmd = self._ctx.socket(zmq.PUSH)
@@ -692,6 +698,8 @@ class IngestHub:
         for proc in list(self._procs.values()):
             if proc.ready:
                 self._send(proc, [wire.Exit()])
+        if not self._thread.is_alive():  # this thread is the poller's only user now
+            self._read_until_exited(t_end)
         for proc in list(self._procs.values()):
             proc.handle.join(max(0.1, t_end - time.monotonic()))
             if proc.handle.is_alive():
@@ -707,13 +715,33 @@ class IngestHub:
             lease.remote._ended.set()
         for name in _segments_of(self._run):  # one whose creation failed half-way, or a lease never ended
             Segment.remove(name)
-        for reader in list(self._readers.values()):
-            reader.close()
+        for reader in list(self._readers.values()) + [r for what, r in list(self._inbox) if what == "reader"]:
+            reader.close()  # and a test's uplink the I/O thread never registered
         self._readers.clear()
         self._ctx.term()
         efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
         os.close(efd)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+    def _read_until_exited(self, t_end: float) -> None:
+        """Read and let go of what the processes still send until they have exited (or `t_end`): the I/O thread has
+        stopped, and a process whose uplink's buffer filled would have its stream threads, and its main thread's
+        heartbeat, blocked in a send, unable to stop: killed at the timeout. Nothing read now is committed (the
+        engine's rings are closed by now; a frame never committed was never ingested)."""
+        procs = list(self._procs.values())
+        while time.monotonic() < t_end and any(p.handle.is_alive() for p in procs):
+            for fd, _ in self._poller.poll(20):
+                if fd == self._efd:
+                    try:
+                        os.eventfd_read(self._efd)
+                    except BlockingIOError:
+                        pass
+                elif (reader := self._readers.get(fd)) is not None:
+                    while (n := reader.read(self._buf)) is not None:
+                        if n == 0:
+                            self._drop_reader(reader)
+                            break
 
 
 def _segments_of(run: str) -> list[str]:

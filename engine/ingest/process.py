@@ -46,13 +46,22 @@ log = logging.getLogger("vidar.ingest")
 class _Sender:
     """The process's end of its uplink (uplink.py), shared by its threads: a send is one atomic packet, so no
     lock (under a lock, a sender waiting to retake the GIL after its send held up every other sender). Blocks
-    while the socket's buffer is full (the core is not reading)."""
+    while the socket's buffer is full (the core is not reading). The core gone (its end closed: EPIPE), the
+    first thread to see it calls `on_gone`, which does not return (main(): the process cleans up and exits, as
+    the parent watch would a moment later; a stream thread must not end its stream first, which would hide its
+    segment from that clean-up)."""
 
     def __init__(self, sock: socket.socket):
         self._sock = sock
+        self.on_gone: Any = None
 
     def __call__(self, msg: Any) -> None:
-        self._sock.send(wire.encode(msg))
+        try:
+            self._sock.send(wire.encode(msg), socket.MSG_NOSIGNAL)
+        except (BrokenPipeError, ConnectionResetError):
+            if self.on_gone is not None:
+                self.on_gone()
+            raise
 
 
 class RemoteRing:
@@ -336,12 +345,15 @@ def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: flo
     cmd.bind(cmd_addr)
     send = _Sender(up)
     child = _Child(proc, send)
+    def core_gone() -> None:
+        child.orphaned()
+        os._exit(0)
+    send.on_gone = core_gone  # a send that finds the core's end closed (EPIPE): the core died
     parent = multiprocessing.parent_process()
     if parent is not None:  # the core died: no one reads our frames; exit now (the streams are the core's)
         def watch() -> None:
             wait([parent.sentinel])
-            child.orphaned()
-            os._exit(0)
+            core_gone()
         threading.Thread(target=watch, name="parent-watch", daemon=True).start()
     gc.collect(1)
     gc.freeze()  # what start-up built (av, numpy, zmq) is left out of later collections: engine/util/gc_pause.py

@@ -15,12 +15,15 @@ wake-ups on a busy machine. A seqpacket socket keeps message boundaries (the ker
 hand-rolled), a send from any thread is one atomic packet (no lock), the core's reader wakes on the socket
 itself, and what a process sent before it died stays readable up to its end of file (a ZeroMQ disconnect
 discarded what was unread). The bytes a sender may queue are its socket's send buffer: SNDBUF asked for,
-capped by the kernel's net.core.wmem_max; a full buffer blocks the sender (the core is not reading: back-pressure
-to the process's threads, as ZeroMQ's high-water mark would have been).
+capped by the kernel's net.core.wmem_max (Linux's default, 208 KiB, holds ~170 descriptors: ~0.1 s of 24 streams
+at 60 fps; ZeroMQ queued up to its high-water mark, 100,000). A full buffer blocks the sender, the process's
+main thread (heartbeats, commands) too, until the core reads again: only while the core's I/O thread is not
+reading, and at shutdown the core reads until its processes have exited (IngestHub.close).
 """
 
 from __future__ import annotations
 
+import select
 import socket
 from typing import Any, Optional
 
@@ -54,18 +57,27 @@ class Reader:
 
     def read(self, buf: bytearray) -> Optional[int]:
         """The next message's length, its bytes in buf[:length] (a length over len(buf): it did not fit and was
-        cut); 0 at end of file (the process is gone and everything it sent was read); None when none is waiting."""
+        cut); 0 at end of file (the process is gone and everything it sent was read); -1 for an empty packet (never
+        one of ours); None when none is waiting."""
         if self.eof:
             return 0
         try:
             n = self.sock.recv_into(buf, 0, socket.MSG_TRUNC)  # MSG_TRUNC: the packet's real length
         except BlockingIOError:
             return None
-        except OSError:  # ECONNRESET and the like: the peer is gone; nothing more can come
+        except OSError:  # ECONNRESET and the like (the core never writes here): the peer is gone
             n = 0
         if n == 0:
+            if not self._hung_up():  # a packet of no bytes, not the end of file: the peer is still there
+                return -1
             self.eof = True
         return n
+
+    def _hung_up(self) -> bool:
+        """Whether the peer closed its end (after a read of 0 bytes, which an empty packet also gives)."""
+        p = select.poll()
+        p.register(self.fd, select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP) for _, ev in p.poll(0))
 
     def close(self) -> None:
         self.eof = True

@@ -3,6 +3,7 @@ segfault, a hang, credit exhausted, /dev/shm too small, a stale descriptor, a st
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ from engine.core.engine import Engine
 from engine.errors import ConfigError
 from engine.ingest import client as ingest_client
 from engine.ingest import slots as ingest_slots
-from engine.ingest import wire
+from engine.ingest import uplink, wire
 from engine.models.noop import NoopRunner
 from engine.testing.wait import wait_for
 from tests.support.collector import Collector
@@ -398,3 +399,25 @@ def test_an_unexpected_error_adding_a_stream_fails_that_stream_not_its_process(e
         _stop(eng)
     events = _events(col.wait(5), "boom")
     assert any(k == "error" and "RuntimeError: a bug in a decoder's open, on purpose" in r for k, r in events), events
+
+
+@pytest.mark.timeout(60)
+def test_a_process_whose_uplink_is_full_at_shutdown_exits_by_itself(endpoint, monkeypatch, caplog):
+    """The hub's close stops its I/O thread, which reads the uplinks, before it tells the processes to exit; a
+    process still sending then (its streams running: a drain that timed out) fills its uplink's buffer (here the
+    kernel's least, a few messages) and its threads block in their sends, its heartbeat too. The hub reads what
+    they send until they have exited, so each exits by itself (exit code 0), none is killed."""
+    monkeypatch.setattr(uplink, "SNDBUF", 1)  # the kernel raises it to its least (~4.5 KiB)
+    eng = _engine([{"id": f"s{i}", "url": SYN} for i in range(8)], endpoint, ingest={"processes": 1},
+                  shutdown_timeout_s=1)
+    handles = []
+    try:
+        eng.start()
+        assert wait_for(lambda: all(eng.streams[f"s{i}"].ingest.seq > 20 for i in range(8)), 30)
+        handles = [p.handle for p in eng.ingest._procs.values()]
+        with caplog.at_level(logging.WARNING, logger="vidar.ingest"):
+            eng.ingest.close(timeout=4.0)  # with every stream still running, as after a drain that timed out
+        assert len(handles) == 1 and handles[0].exitcode == 0, [h.exitcode for h in handles]
+        assert "did not exit in time" not in caplog.text
+    finally:
+        _stop(eng)

@@ -112,17 +112,19 @@ def test_a_dead_process_s_messages_are_drained_to_the_end_not_to_the_first_batch
         theirs.close()
 
 
-def test_an_uplink_message_too_long_is_counted_and_the_next_one_read():
+def test_an_uplink_message_too_long_or_empty_is_counted_and_the_next_one_read():
     """A packet longer than the reader's buffer (a forgery: a process clips its texts to wire.TEXT_MAX) is
-    counted in bad_messages, never decoded from its cut bytes; the message after it is read."""
+    counted in bad_messages, never decoded from its cut bytes; an empty one is counted too, not taken for the
+    end of file; the message after them is read."""
     hub = _reading_hub()
     core, theirs = uplink.pair()
     reader = uplink.Reader(core)
     try:
-        theirs.send(wire.encode(wire.StreamEvent("x", "error", "r" * (2 * uplink.MAX_MESSAGE), 1)))
+        theirs.send(wire.encode(wire.StreamEvent("x", "error", "r" * uplink.MAX_MESSAGE, 1)))
+        theirs.send(b"")  # an empty packet: not the end of file (the peer is still there)
         theirs.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
         assert hub._read(reader, set()) is True  # emptied
-        assert hub.bad_messages == 1 and hub.stale_descriptors == 1
+        assert hub.bad_messages == 2 and hub.stale_descriptors == 1 and not reader.eof
         assert len(wire.encode(wire.StreamEvent("x", "error", wire.clip("r" * 10 ** 6), 1))) < uplink.MAX_MESSAGE
     finally:
         reader.close()
@@ -166,7 +168,22 @@ def test_an_uplink_takes_sends_from_many_threads_at_once_each_message_whole_and_
                 got[msg.stream].append(msg.seq)
         assert all(seqs == list(range(each)) for seqs in got.values())
     finally:
+        reader.close()  # first: a sender still blocked on a full buffer gets EPIPE and ends
         for t in threads:
             t.join(10)
-        reader.close()
+        theirs.close()
+
+
+def test_a_send_that_finds_the_core_gone_calls_on_gone_first():
+    """The core's end closed (the core died): the sending thread calls on_gone (the process cleans up its
+    segments and exits) before anything else can happen to its stream, rather than ending it on the error."""
+    core, theirs = uplink.pair()
+    send, gone = ingest_process._Sender(theirs), []
+    send.on_gone = lambda: gone.append(True)
+    try:
+        core.close()
+        with pytest.raises(BrokenPipeError):
+            send(wire.Heartbeat(0, 0, 0.0))
+        assert gone == [True]
+    finally:
         theirs.close()
