@@ -227,14 +227,8 @@ class IngestHub:
         try:
             while not self._closing:
                 credit: set[str] = set()
-                for fd, _ in self._poller.poll(1 if self._pending.held else 50):  # a GPU copy polled: ~1 ms, not 50
-                    if fd == self._efd:
-                        try:
-                            os.eventfd_read(self._efd)
-                        except BlockingIOError:
-                            pass
-                    elif (reader := self._readers.get(fd)) is not None:
-                        self._read(reader, credit)
+                for reader in self._poll(1 if self._pending.held else 50):  # a GPU copy being polled: ~1 ms, not 50
+                    self._read(reader, credit)
                 if self._pending.held:
                     self._pending.poll()
                 if self._to_wake is not None:  # every ring shares the core's wake: once for the batch
@@ -249,6 +243,19 @@ class IngestHub:
         except BaseException as err:  # the engine cannot ingest any more: it dies loudly (health)
             log.exception("ingest I/O thread crashed")
             self.dead = f"ingest I/O thread crashed: {type(err).__name__}: {err}"
+
+    def _poll(self, timeout_ms: int) -> list[uplink.Reader]:
+        """The uplinks with something to read after waiting up to `timeout_ms` (the eventfd is read here)."""
+        out = []
+        for fd, _ in self._poller.poll(timeout_ms):
+            if fd == self._efd:
+                try:
+                    os.eventfd_read(self._efd)
+                except BlockingIOError:
+                    pass
+            elif (reader := self._readers.get(fd)) is not None:
+                out.append(reader)
+        return out
 
     def _add_reader(self, reader: uplink.Reader) -> None:
         self._readers[reader.fd] = reader
@@ -723,7 +730,6 @@ class IngestHub:
         os.close(efd)
         shutil.rmtree(self._dir, ignore_errors=True)
 
-
     def _read_until_exited(self, t_end: float) -> None:
         """Read and let go of what the processes still send until they have exited (or `t_end`): the I/O thread has
         stopped, and a process whose uplink's buffer filled would have its stream threads, and its main thread's
@@ -731,17 +737,11 @@ class IngestHub:
         engine's rings are closed by now; a frame never committed was never ingested)."""
         procs = list(self._procs.values())
         while time.monotonic() < t_end and any(p.handle.is_alive() for p in procs):
-            for fd, _ in self._poller.poll(20):
-                if fd == self._efd:
-                    try:
-                        os.eventfd_read(self._efd)
-                    except BlockingIOError:
-                        pass
-                elif (reader := self._readers.get(fd)) is not None:
-                    while (n := reader.read(self._buf)) is not None:
-                        if n == 0:
-                            self._drop_reader(reader)
-                            break
+            for reader in self._poll(20):
+                while (n := reader.read(self._buf)) is not None:
+                    if n == 0:
+                        self._drop_reader(reader)
+                        break
 
 
 def _segments_of(run: str) -> list[str]:
