@@ -250,7 +250,9 @@ def test_a_third_capture_with_both_buffers_busy_is_skipped_and_counted(hub):
     hub.watch("cam", +1)
     hub.capture(_meta(1), _frame(1))
     st = hub._streams["cam"]
-    assert wait_for(lambda: not st.pending, 10.0, 0.01)
+    # encoded and its buffer back (the encoder takes a frame off `pending` before it encodes it: waiting for
+    # `pending` alone raced the buffer's return on a loaded machine, which then refilled `free`)
+    assert wait_for(lambda: not st.pending and len(st.free) == 2, 10.0, 0.01)
     with hub._lock:
         st.free.clear()  # one buffer at the encoder, the other being filled by another pool's worker
     before = st.counts["busy"]
