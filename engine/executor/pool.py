@@ -14,6 +14,7 @@ pool's in-flight count is counted, not derived (see accounting.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 import time
@@ -65,7 +66,7 @@ class Pool:
         # the rings holding READY frames (FrameRing.ready_set, under the ledger lock): what _pull looks at
         self._ready: dict[FrameRing, None] = {}
         self._attached: dict[FrameRing, int] = {}  # ring -> attach order: _pull takes rings in it, as before
-        self._attach_count = 0
+        self._attach_order = itertools.count()
         self._next_batch = 0
         self.drop_log = DropLog(spec.name, self.acct.lock)
         self.output = OutputStage(spec.name, weights=spec.models[0].weights_tag, acct=self.acct,
@@ -144,8 +145,7 @@ class Pool:
     def attach(self, ring: FrameRing) -> None:
         with self.acct.lock:
             self.rings[ring.stream] = ring
-            self._attached[ring] = self._attach_count
-            self._attach_count += 1
+            self._attached[ring] = next(self._attach_order)
             ring.ready_set = self._ready
             if ring.ready():  # frames written before the attach (a ring is attached before its writer starts)
                 self._ready[ring] = None
