@@ -258,6 +258,9 @@ def test_draw_to_track_adds_and_removes_objects(browser, tmp_path):
         assert sent["id"] == 2 and np.allclose(sent["points"], [[160, 120, 1], [20, 20, 0]], atol=2), sent
         assert js_errors(browser) == []
     finally:
+        # away from the page first: left open on a stopped engine, its WebSocket retries (live.js reconnects), and
+        # on a loaded machine a refused retry landed in the next test's browser log
+        browser.get("about:blank")
         eng.stop()
 
 
