@@ -223,7 +223,7 @@ class CrossingProbe:
         self.hop, self.in_core, self._committed = [], [], {}
         add = pool.scheduler.add
         if hub is not None:  # processes: the crossing split at the core's I/O thread taking the descriptor
-            commit = hub._commit
+            commit = hub.leases._commit
 
             def probed_commit(lease, msg):
                 if self.on and msg.t_written:
@@ -232,7 +232,7 @@ class CrossingProbe:
                     if len(self._committed) < 100_000:  # bounded: a frame never scheduled leaves its entry
                         self._committed[(msg.stream, msg.seq)] = now
                 return commit(lease, msg)
-            hub._commit = probed_commit
+            hub.leases._commit = probed_commit
 
         def probed(fv, *args, **kwargs):
             if self.on:

@@ -4,8 +4,10 @@
   slots.py       core-owned shared-memory slot segments (created, prefaulted and unlinked by the core only)
   process.py     the ingest process: today's IngestThread per stream, writing into lent slots (RemoteRing)
   supervisor.py  ingest process handles, death and hang detection, the restart/quarantine policy
-  client.py      the core side: one I/O thread that owns the sockets, commits frames into the rings,
-                 lends slots back as credits, and restarts dead processes; RemoteIngest per stream
+  client.py      the core side: IngestHub, what the engine holds, and its one I/O thread (sockets, reading)
+  leases.py      the streams' leases: frames committed into the rings, segments, credits, placement, deaths
+  lease.py       one stream's lease, and RemoteIngest (what the stream table reads)
+  procs.py       the processes: started, commanded, checked for exits and hangs, ended
 
 Why: one Python thread per stream shared the core's GIL and convoyed (issue 33's measurements). Pixels
 never cross a socket: the core owns every slot; a ~100-byte descriptor does.

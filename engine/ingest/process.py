@@ -337,7 +337,7 @@ def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: flo
     if nice:  # the core first: it holds frames already paid for (see IngestConfig.nice)
         os.nice(nice)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s ingest-{proc} %(levelname)s %(name)s: %(message)s")
-    for name in imports:  # test hooks only (client.TEST_IMPORTS): the product passes none
+    for name in imports:  # test hooks only (procs.TEST_IMPORTS): the product passes none
         importlib.import_module(name)
     ctx = zmq.Context()
     # this process binds and the engine connects (never the other way: see client.IngestHub)

@@ -12,6 +12,7 @@ import pytest
 import zmq
 
 from engine.ingest import client as ingest_client
+from engine.ingest import leases as ingest_leases
 from engine.ingest import process as ingest_process
 from engine.ingest import uplink, wire
 
@@ -40,15 +41,15 @@ class _Ring:
 
 
 def test_credits_for_several_streams_go_to_their_process_as_one_message():
-    hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)  # only _top_up's state: no sockets, no thread
-    hub.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
+    leases = ingest_leases.Leases.__new__(ingest_leases.Leases)  # only top_up's state: no sockets, no thread
+    leases.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
     p1, p2 = SimpleNamespace(idx=1), SimpleNamespace(idx=2)
     lease = lambda proc, gen, slots: SimpleNamespace(proc=proc, segment=object(), gen=gen, ring=_Ring(slots))  # noqa: E731
-    hub._leases = {"a": lease(p1, 5, [0, 1]), "b": lease(p1, 7, [3]), "c": lease(p2, 9, [2]),
-                   "d": lease(p1, 4, []), "e": lease(None, 3, [1])}  # d: nothing free; e: not placed
+    leases.leases = {"a": lease(p1, 5, [0, 1]), "b": lease(p1, 7, [3]), "c": lease(p2, 9, [2]),
+                     "d": lease(p1, 4, []), "e": lease(None, 3, [1])}  # d: nothing free; e: not placed
     sent = []
-    hub._send = lambda proc, msgs: sent.append((proc.idx, msgs))
-    hub._top_up({"a", "b", "c", "d", "e", "gone"})
+    leases._procs = SimpleNamespace(send=lambda proc, msgs: sent.append((proc.idx, msgs)))
+    leases.top_up({"a", "b", "c", "d", "e", "gone"})
     by_proc = dict(sent)
     assert len(sent) == 2 and set(by_proc) == {1, 2}  # one send per process, not one per stream
     [many] = by_proc[1]
@@ -105,7 +106,7 @@ def test_a_dead_process_s_messages_are_drained_to_the_end_not_to_the_first_batch
         dead = SimpleNamespace(kill_reason="test", idx=9, handle=SimpleNamespace(join=lambda _: None),
                                cmd=SimpleNamespace(close=lambda _: None), up=reader, streams=set())
         hub._died(dead)  # a process holding no stream: drained, its uplink dropped, nothing to restart
-        assert hub.stale_descriptors == 1  # the frame after the heartbeats was read (of a stream gone)
+        assert hub.leases.stale_descriptors == 1  # the frame after the heartbeats was read (of a stream gone)
         assert reader.eof and not hub._readers
     finally:
         reader.close()
@@ -124,7 +125,7 @@ def test_an_uplink_message_too_long_or_empty_is_counted_and_the_next_one_read():
         theirs.send(b"")  # an empty packet: not the end of file (the peer is still there)
         theirs.send(wire.encode(wire.FrameReady("gone", 0, 1, 0, 0.0, 0.0, 0.0, 1.0, 0.0, 16, 16, ("bt601", "limited"))))
         assert hub._read(reader, set()) is True  # emptied
-        assert hub.bad_messages == 2 and hub.stale_descriptors == 1 and not reader.eof
+        assert hub.bad_messages == 2 and hub.leases.stale_descriptors == 1 and not reader.eof
         assert len(wire.encode(wire.StreamEvent("x", "error", wire.clip("r" * 10 ** 6), 1))) < uplink.MAX_MESSAGE
     finally:
         reader.close()
@@ -134,7 +135,11 @@ def test_an_uplink_message_too_long_or_empty_is_counted_and_the_next_one_read():
 def _reading_hub() -> ingest_client.IngestHub:
     """A hub with only what reading its uplinks needs: no thread, no process."""
     hub = ingest_client.IngestHub.__new__(ingest_client.IngestHub)
-    hub._procs, hub._leases, hub.bad_messages, hub.stale_descriptors, hub._closing = {}, {}, 0, 0, True
+    leases = ingest_leases.Leases.__new__(ingest_leases.Leases)
+    leases.leases, leases.stale_descriptors, leases.bad_messages, leases.restarts = {}, 0, 0, 0
+    leases._procs = SimpleNamespace(send=lambda proc, msgs: None)
+    hub.procs = SimpleNamespace(procs={}, reap=lambda proc: None)
+    hub.leases, hub.bad_messages, hub._closing = leases, 0, True
     hub._readers, hub._poller, hub._buf = {}, select.poll(), bytearray(uplink.MAX_MESSAGE)
     return hub
 

@@ -1,5 +1,5 @@
 """A source that crashes its ingest process on purpose: imported in ingest processes only, through
-engine.ingest.client.TEST_IMPORTS (a test hook; the product never sets it). Streams whose id starts with
+engine.ingest.procs.TEST_IMPORTS (a test hook; the product never sets it). Streams whose id starts with
 `segv` deliver 10 frames, then the process raises SIGSEGV on itself (as a crash inside FFmpeg would); streams
 whose id starts with `boom` raise a RuntimeError (not a SourceError) when opened; streams whose id starts with
 `slow` take 25 ms to make each frame (a decoder slower than its stream), so a paced one falls ever further

@@ -1,0 +1,364 @@
+"""The streams' leases and what their messages do (the I/O thread's only): frames committed into the rings,
+events and states passed on, segments made for each geometry, free slots lent back as credits, placement on a
+process, and what a process's death means for the streams it held.
+
+A process death: its streams' lent slots are reclaimed (frames it delivered stay READY and are published), each
+stream is announced `reconnecting` naming the reason, and placed again at once (RestartPolicy decides restart,
+quarantine or fail).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import zmq
+
+from engine.config import EngineConfig, StreamConfig
+from engine.errors import SourceError
+from engine.frames.lifecycle import DropReason, FrameMeta
+from engine.frames.ring import FrameRing
+from engine.ingest import wire
+from engine.ingest.cuda_slots import PendingFrames
+from engine.ingest.lease import Lease, RemoteIngest
+from engine.ingest.procs import ProcessManager
+from engine.ingest.slots import Segment, ShmSpaceError
+from engine.ingest.supervisor import IngestProcess, RestartPolicy
+
+log = logging.getLogger("vidar.ingest")
+
+
+class Leases:
+    def __init__(self, cfg: EngineConfig, run: str, procs: ProcessManager, *, emit: Callable[[str, str, str], None],
+                 submit: Callable[..., None]):
+        self.cfg, self._run, self._procs, self._emit, self._submit = cfg, run, procs, emit, submit
+        ic = cfg.ingest
+        self.leases: dict[str, Lease] = {}  # the I/O thread's, but for add (before it is submitted)
+        # Lease generations come from one counter for the whole hub, never per lease: a stream removed and added
+        # again under the same id starts above every generation its old lease used, so a leftover of the old
+        # one still in a socket can never pass for the new one's.
+        self._gens = itertools.count(1)
+        self.policy = RestartPolicy(ic.max_restarts, ic.restart_window_s)
+        self.pending = PendingFrames()  # CUDA IPC frames whose copy is not done yet (none for host slots)
+        self.stale_descriptors = 0   # FrameReady of a dead or superseded generation: dropped, never committed
+        self.bad_messages = 0        # messages that named a slot or a type we do not know
+        self.restarts = 0            # ingest processes that died and whose streams were placed again
+        self.to_wake: Optional[FrameRing] = None  # a ring committed to since the core was last woken
+
+    # -- the core thread ---------------------------------------------------------------------------------------
+    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any) -> RemoteIngest:
+        """Core thread: a stream to decode in a process (started by RemoteIngest.start)."""
+        remote = RemoteIngest(self._submit, source, ring, scfg.mode == "live")
+        size = getattr(source, "frame_size", None)
+        lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None)
+        # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
+        # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
+        lease.gen = lease.assign_gen = next(self._gens)
+        # a freed slot is lent back at the I/O thread's next wake-up; it wakes for it only when the process holds
+        # no lent slot of the stream (else its next FrameReady wakes it: one wake-up a frame fewer)
+        ring.on_free = lambda held, s=scfg.id: self._submit(("credit", s), wake=not held)
+        self.leases[scfg.id] = lease
+        return remote
+
+    # -- messages ------------------------------------------------------------------------------------------------
+    def handle(self, msg: Any, touched: set[str]) -> None:
+        """A stream's message from a process (FrameReady, Geometry, StreamEvent, StreamState)."""
+        lease = self.leases.get(msg.stream)
+        if lease is None or msg.gen < lease.assign_gen:  # a stream gone, or a dead process's leftovers
+            if isinstance(msg, wire.FrameReady):
+                self.stale_descriptors += 1
+            return
+        if isinstance(msg, (wire.FrameReady, wire.StreamState)):
+            d = msg.dropped - lease.dropped_seen
+            if d > 0:
+                lease.ring.drop_at_source(d)
+                lease.dropped_seen = msg.dropped
+            e = msg.expired - lease.expired_seen
+            if e > 0:
+                lease.ring.drop_at_source(e, DropReason.DEADLINE)
+                lease.expired_seen = msg.expired
+        if isinstance(msg, wire.FrameReady):
+            self._commit(lease, msg)
+            touched.add(lease.stream)
+        elif isinstance(msg, wire.Geometry):
+            self._geometry(lease, msg.h, msg.w, msg.gen)
+        elif isinstance(msg, wire.StreamEvent):
+            self._event(lease, msg.kind, msg.reason)
+        elif isinstance(msg, wire.StreamState):
+            self._state(lease, msg)
+
+    def _commit(self, lease: Lease, msg: wire.FrameReady) -> None:
+        if msg.gen != lease.gen:  # lent under an older geometry or assignment: the slot is not its any more
+            self.stale_descriptors += 1
+            return
+        meta = FrameMeta(msg.stream, msg.seq, msg.pts, msg.t_capture, decode_s=msg.decode_s, deadline=msg.deadline,
+                         height=msg.h, width=msg.w, t_capture_mono=msg.t_capture_mono, colour=tuple(msg.colour),
+                         t_written=msg.t_written)
+        written = lease.ring.written_event(msg.slot)
+        if written is None:  # shared host memory: the pixels are there when the descriptor is
+            self._admit(lease, msg, meta)
+        else:  # a CUDA IPC slot (cuda_slots.py): committed once a host poll sees the GPU copy done, never waited on
+            self.pending.add(msg.stream, msg.gen, msg.slot, written, lambda: self._admit(lease, msg, meta))
+
+    def _admit(self, lease: Lease, msg: wire.FrameReady, meta: FrameMeta) -> bool:
+        # the core is woken once per drained batch, not per frame (its Condition.notify was 15 us of GIL a frame)
+        if lease.ring.commit(msg.slot, meta, notify=False):
+            self.to_wake = lease.ring
+            if lease.remote.state == "starting":  # its first frame: running now, not at the next heartbeat
+                lease.remote.state = "running"
+            lease.next_seq = max(lease.next_seq, msg.seq + 1)
+            lease.remote.seq = lease.next_seq
+            return True
+        if not lease.ring.closed:
+            self.bad_messages += 1
+            log.warning("stream %s: a descriptor named slot %d, which is not lent at %dx%d: dropped", msg.stream,
+                        msg.slot, msg.w, msg.h)
+        return False
+
+    def _event(self, lease: Lease, kind: str, reason: str) -> None:
+        r = lease.remote
+        if r.failed:
+            return
+        if kind in ("started", "connected"):
+            r.state = "running"
+        elif kind == "reconnecting":
+            r.state = "reconnecting"
+        self._emit(lease.stream, kind, reason)
+
+    def _state(self, lease: Lease, msg: wire.StreamState) -> None:
+        r = lease.remote
+        r.total_frames, r.reconnects = msg.total_frames, max(r.reconnects, msg.reconnects)
+        r.source.decode_errors = msg.decode_errors
+        if msg.decode_device:
+            r.source.decode_device = msg.decode_device
+        lease.next_seq = max(lease.next_seq, msg.seq)
+        r.seq = lease.next_seq
+        if not r.failed:
+            r.state, r.failed, r.end_reason = msg.state, msg.failed, msg.end_reason
+        if msg.final:
+            self.end(lease)
+
+    def _geometry(self, lease: Lease, h: int, w: int, gen: int) -> None:
+        seg = lease.segment
+        if seg is not None and (seg.h, seg.w) == (h, w) and gen < lease.gen:
+            return  # it asked before the Slots it is being sent arrived (a first frame racing them): they will
+        if lease.proc is not None:
+            self._procs.send(lease.proc, self._new_segment(lease, h, w))
+
+    # -- segments and credits ------------------------------------------------------------------------------------
+    def _new_segment(self, lease: Lease, h: int, w: int) -> list:
+        """A segment for the stream's frames of h x w, its slots and credits (or the stream fails)."""
+        n = lease.ring.slots_needed(h, w)
+        lease.segments_made += 1
+        name = f"vidar-{self._run}-{lease.stream}-{lease.segments_made}"
+        try:
+            seg = Segment(name, n, h, w, create=True)
+        except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE) and not isinstance(err, ShmSpaceError):
+                self._short_of_descriptors(lease, h, w, err)  # a flood of connections, say: retried
+            else:
+                self.fail(lease, f"no shared memory for its frames: {err}")
+            return []
+        lease.segment_retry = None
+        try:
+            lease.ring.set_geometry(h, w, seg)
+        except SourceError as err:
+            seg.unlink()
+            self.fail(lease, err.reason)
+            return []
+        old, lease.segment = lease.segment, seg
+        if old is not None:
+            old.unlink()  # its frames still held stay mapped until released
+        lease.gen = next(self._gens)
+        slots = lease.ring.lend(self.cfg.ingest.live_credit)
+        return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen, slots)]
+
+    def _short_of_descriptors(self, lease: Lease, h: int, w: int, err: OSError) -> None:
+        """A segment needs a descriptor for a moment, and the engine has none left: retried every second (the
+        stream's frames meanwhile are shed at the source, counted); past ingest.start_timeout_s it fails."""
+        now, limit = time.monotonic(), self.cfg.ingest.start_timeout_s
+        since = lease.segment_retry[2] if lease.segment_retry else now
+        if now - since > limit:
+            lease.segment_retry = None
+            self.fail(lease, f"no shared memory for its frames: {err} (for {limit:g} s, ingest.start_timeout_s)")
+            return
+        if lease.segment_retry is None:
+            log.warning("stream %s: no descriptor left to make its frame slots (%s): retrying every second for up "
+                        "to ingest.start_timeout_s=%g s", lease.stream, err, limit)
+        lease.segment_retry = (h, w, since, now + 1.0)
+
+    def top_up(self, streams: set[str]) -> None:
+        """Lend the streams' free slots: one Credits message per process (one send, not one per stream)."""
+        out: dict[int, tuple[IngestProcess, list[wire.Credit]]] = {}
+        for stream in streams:
+            lease = self.leases.get(stream)
+            if lease is None or lease.proc is None or lease.segment is None:
+                continue
+            slots = lease.ring.lend(self.cfg.ingest.live_credit)
+            if slots:
+                out.setdefault(lease.proc.idx, (lease.proc, []))[1].append(wire.Credit(stream, lease.gen, slots))
+        for proc, credits in out.values():
+            self._procs.send(proc, [credits[0] if len(credits) == 1 else wire.Credits(credits)])
+
+    # -- a stream's end ------------------------------------------------------------------------------------------
+    def fail(self, lease: Lease, reason: str) -> None:
+        r = lease.remote
+        r.failed, r.state, r.end_reason = True, "failed", f"error: {reason}"
+        log.error("stream %s: %s", lease.stream, reason)
+        self._emit(lease.stream, "error", reason)
+        lease.ring.close()
+        if lease.proc is not None and lease.proc.handle.is_alive():
+            lease.removing = True
+            self._procs.send(lease.proc, [wire.RemoveStream(lease.stream)])
+        else:
+            self.end(lease)
+
+    def end(self, lease: Lease) -> None:
+        """The stream is over in its process (its last frame committed before): slots back, segment unlinked."""
+        lease.ring.on_free = None
+        self.pending.forget(lease.stream)
+        lease.ring.reclaim()
+        lease.ring.close()
+        if lease.segment is not None:
+            lease.segment.unlink()
+        proc, lease.proc = lease.proc, None
+        if proc is not None:
+            proc.streams.discard(lease.stream)
+            if proc.dedicated and not proc.streams:
+                self._procs.send(proc, [wire.Exit()])
+        if self.leases.get(lease.stream) is lease:  # never a newer lease of the same id (re-added after a reap)
+            del self.leases[lease.stream]
+            self.policy.forget(lease.stream)
+        if lease.remote.state not in ("failed", "ended"):
+            lease.remote.state = "ended"
+        lease.remote.ended()
+
+    def apply(self, what: str, stream: str, credit: set[str]) -> None:
+        """A request of another thread: "credit" (added to `credit`), "add" or "remove"."""
+        lease = self.leases.get(stream)
+        if lease is None:
+            return
+        if what == "credit":
+            credit.add(stream)
+        elif what == "add":
+            self.place(lease)
+        elif what == "remove" and not lease.removing:
+            lease.removing = True
+            if lease.proc is not None and lease.proc.handle.is_alive():
+                self._procs.send(lease.proc, [wire.RemoveStream(stream)])
+            else:
+                self.end(lease)
+
+    # -- placement -----------------------------------------------------------------------------------------------
+    def place(self, lease: Lease) -> None:
+        try:
+            proc = self._procs.pick(lease.stream, lease.stream in self.policy.isolated)
+        except (zmq.ZMQError, OSError) as err:  # EMFILE (a descriptor flood), EAGAIN (no process left)
+            self._unplaced(lease, err)
+            return
+        lease.unplaced_since = None
+        lease.proc = proc
+        proc.streams.add(lease.stream)
+        lease.remote.process = proc.label
+        lease.gen = next(self._gens)
+        lease.assign_gen = lease.gen
+        lease.dropped_seen = lease.expired_seen = 0
+        lease.ring.reclaim()
+        ic, src = self.cfg, self.cfg.source
+        cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),
+                                     src.model_dump(mode="json"), ic.ring.max_frame_pixels,
+                                     ic.budget.latency_ms / 1e3, lease.next_seq)]
+        seg = lease.segment
+        if seg is not None:  # a restart: the same slots, lent again under the new generation
+            cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),
+                     wire.Credit(lease.stream, lease.gen, lease.ring.lend(self.cfg.ingest.live_credit))]
+        elif lease.size is not None:
+            cmds += self._new_segment(lease, *lease.size)
+        if lease.remote.failed:  # its segment could not be made (_new_segment failed it): nothing was sent, so no
+            self.end(lease)      # final state will come from the process; it ends here
+        else:
+            self._procs.send(proc, cmds)
+
+    def _unplaced(self, lease: Lease, err: BaseException) -> None:
+        """No process could be started for the stream: retried every second (the I/O thread goes on, and so do
+        the other streams); past ingest.start_timeout_s it fails with the reason."""
+        now, limit = time.monotonic(), self.cfg.ingest.start_timeout_s
+        why = f"no ingest process could be started for it: {type(err).__name__}: {err}"
+        if lease.unplaced_since is None:
+            lease.unplaced_since = now
+            log.warning("stream %s: %s; retrying every second for up to ingest.start_timeout_s=%g s",
+                        lease.stream, why, limit)
+        if now - lease.unplaced_since > limit:
+            self.fail(lease, why)
+        else:
+            lease.retry_at = now + 1.0
+
+    def retry(self, now: float) -> None:
+        """Placements and segments that could not be made (out of processes or descriptors), tried again."""
+        # list() first: the core thread inserts into leases (add), and a comprehension over the live view could
+        # see it change size mid-iteration
+        leases = list(self.leases.values())
+        for lease in [x for x in leases if x.unplaced_since is not None and x.proc is None]:
+            if lease.removing or lease.ring.closed:
+                self.end(lease)
+            elif now >= lease.retry_at:
+                self.place(lease)
+        for lease in [x for x in leases if x.segment_retry is not None]:
+            h, w, _, at = lease.segment_retry
+            if lease.proc is None or lease.removing or lease.ring.closed:
+                lease.segment_retry = None
+            elif now >= at:
+                self._procs.send(lease.proc, self._new_segment(lease, h, w))
+
+    def died(self, proc: IngestProcess, reason: str, closing: bool) -> None:
+        """`proc` has exited (its uplink read to the end): its streams restarted, quarantined or failed."""
+        if not proc.streams:
+            if not (closing or proc.dedicated):
+                log.warning("ingest: %s ended (%s) holding no stream", proc.label, reason)
+            return
+        self.restarts += 1
+        log.error("ingest: %s died (%s) holding %d stream(s): %s; restarting them", proc.label, reason,
+                  len(proc.streams), sorted(proc.streams))
+        again = []
+        for stream in sorted(proc.streams):
+            lease = self.leases.get(stream)
+            if lease is None:
+                continue
+            lease.proc = None
+            self.pending.forget(stream)  # CUDA copies it queued and never finished: never admitted, counted
+            lease.ring.reclaim()  # its lent slots; the frames it delivered stay READY and are published
+            # removed, failed (a state it sent before dying), or stopped (its ring closed before the removal reached
+            # the inbox): nothing to restart; it ends here rather than waiting for a final state that cannot come
+            if lease.removing or lease.remote.failed or lease.ring.closed:
+                self.end(lease)
+                continue
+            why = f"ingest process {proc.label} died ({reason})"
+            decision = self.policy.died(stream)
+            if decision == "fail":
+                ic = self.cfg.ingest
+                self.fail(lease, f"{why}; it died more than ingest.max_restarts={ic.max_restarts} times within "
+                                 f"ingest.restart_window_s={ic.restart_window_s:g} s, also in a process of its own")
+                continue
+            lease.remote.state = "reconnecting"
+            lease.remote.reconnects += 1
+            tail = "; moved to a process of its own (it died too often)" if decision == "isolate" else "; restarting"
+            self._emit(stream, "reconnecting", why + tail)
+            again.append(lease)
+        for lease in again:
+            self.place(lease)
+
+    def credit_after_death(self, proc: IngestProcess, touched: set[str]) -> None:
+        """Credits for the streams a dead process's last frames touched: never for the dead process (its slots
+        are reclaimed by `died`)."""
+        self.top_up({s for s in touched if (lease := self.leases.get(s)) is not None and lease.proc is not proc})
+
+    def close(self) -> None:
+        """The hub is closing (every process has exited or was killed): segments unlinked, streams ended."""
+        for lease in list(self.leases.values()):
+            if lease.segment is not None:
+                lease.segment.unlink()
+            lease.ring.on_free = None
+            lease.remote.ended()

@@ -1,0 +1,189 @@
+"""The ingest processes themselves: started, told things, checked, ended (the I/O thread's process manager).
+
+vLLM v1 keeps its engine-core processes in a manager of their own beside the client that talks to them; so
+here. Each process: started by multiprocessing's forkserver (`av`, `numpy` preloaded there, so a child starts
+in milliseconds and never forks a process that has threads), one ZeroMQ PUSH for its commands (the process binds,
+the engine connects: see `start`), one uplink (uplink.py) for what it sends. Its exit is polled here every 50 ms
+(Process.is_alive, a waitpid) rather than registered in the I/O thread's poller, which would need rebuilding at
+every restart for a gain of at most 50 ms of the 5 s promised. What a death means for its streams is leases.py's.
+Only the I/O thread calls in here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import socket
+from typing import Callable
+
+import zmq
+
+from engine.config import EngineConfig
+from engine.ingest import uplink, wire
+from engine.ingest.supervisor import IngestProcess
+
+log = logging.getLogger("vidar.ingest")
+
+#: Modules an ingest process imports at start. Tests only (a source that crashes on purpose is registered
+#: this way, tests/support/crashing_source.py); the product never sets it.
+TEST_IMPORTS: list[str] = []
+
+_PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
+
+
+def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
+    """(the most general ingest processes, the rule said in the start log)."""
+    if processes != "auto":
+        return int(processes), f"ingest.processes={processes}"
+    cap = max(2, cores)  # a process's streams share its GIL: see IngestConfig.processes
+    return cap, (f"ingest.processes=auto: up to max(2, usable cores) = {cap} processes, a new one started when "
+                 f"every running one holds ingest.streams_per_process={streams_per_process} streams "
+                 f"({streams} configured now -> {min(cap, max(1, math.ceil(streams / streams_per_process)))})")
+
+
+class ProcessManager:
+    def __init__(self, cfg: EngineConfig, run_dir: str, *, cores: int,
+                 on_start: Callable[[IngestProcess], None]):
+        self.cfg, self._dir, self._on_start = cfg, run_dir, on_start
+        ic = cfg.ingest
+        self.max_procs, rule = resolve_processes(ic.processes, len(cfg.streams), ic.streams_per_process, cores)
+        self._auto = ic.processes == "auto"
+        log.info("ingest: decoders run in processes: %s", rule)
+        self._mp = multiprocessing.get_context("forkserver")
+        self._mp.set_forkserver_preload(_PRELOAD)
+        self._ctx = zmq.Context()
+        self.procs: dict[int, IngestProcess] = {}
+        self._gens: dict[int, int] = {}
+
+    def pick(self, stream: str, isolated: bool) -> IngestProcess:
+        """The process for a stream: a new one of its own when quarantined (`isolated`), else the general process
+        with the fewest streams, or a new one while there may be more. Raises what `start` raises."""
+        if isolated:
+            return self.start(dedicated=True)
+        general = [p for p in self.procs.values() if not p.dedicated]
+        least = min(general, key=lambda p: len(p.streams), default=None)
+        spp = self.cfg.ingest.streams_per_process
+        if least is not None and (len(general) >= self.max_procs or (self._auto and len(least.streams) < spp)):
+            return least
+        try:
+            return self.start(dedicated=False)
+        except (zmq.ZMQError, OSError) as err:
+            if least is None:
+                raise
+            log.warning("ingest: cannot start another process (%s): stream %s goes to %s", err, stream, least.label)
+            return least
+
+    def start(self, dedicated: bool) -> IngestProcess:
+        """A new ingest process (raises zmq.ZMQError or OSError when the engine is out of descriptors or
+        processes; the caller retries the placement)."""
+        idx = next(i for i in range(len(self.procs) + 1) if i not in self.procs)
+        gen = self._gens[idx] = self._gens.get(idx, -1) + 1
+        cmd_addr = f"ipc://{self._dir}/c{idx}-{gen}"
+        core_end, theirs = uplink.pair()
+        if not self.procs and not self._gens.get(idx):  # once: what a process may queue before it blocks
+            log.info("ingest: each process's uplink buffers %d KiB (asked %d; net.core.wmem_max caps it)",
+                     theirs.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 1024, uplink.SNDBUF // 1024)
+        cmd, handle = None, None
+        try:
+            # The engine binds nothing here: each ingest process binds its command endpoint and the engine connects.
+            # A listener in the engine would accept on every connection, and libzmq's ipc listener aborts the
+            # process when accept() fails with EMFILE (src/ipc_listener.cpp:297: a descriptor flood on the control
+            # port killed the engine); a connecter that cannot get a descriptor just retries (ipc_connecter.cpp).
+            cmd = self._ctx.socket(zmq.PUSH)
+            cmd.setsockopt(zmq.SNDHWM, 100_000)
+            cmd.setsockopt(zmq.LINGER, 0)
+            cmd.setsockopt(zmq.RECONNECT_IVL, 10)  # a new process's endpoint appears within ms of its start
+            cmd.connect(cmd_addr)
+            ic = self.cfg.ingest
+            # forkserver passes `theirs` with the arguments (SCM_RIGHTS): the process's own descriptor
+            handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
+                                      args=(idx, gen, theirs, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
+            handle.start()
+        except BaseException:
+            core_end.close()
+            if cmd is not None:
+                cmd.close(0)
+            if handle is not None and handle.pid is not None:  # started, but not ours to supervise: ended here
+                handle.kill()
+                handle.join(2.0)
+            raise
+        finally:
+            theirs.close()  # the process has its own copy: its death is then the uplink's end of file here
+        proc = IngestProcess(idx, gen, handle, cmd, uplink.Reader(core_end), dedicated=dedicated)
+        proc.up.owner = proc
+        self.procs[idx] = proc
+        self._on_start(proc)
+        log.info("ingest: started %s%s", proc.label, " for one stream (quarantine)" if dedicated else "")
+        return proc
+
+    def send(self, proc: IngestProcess, msgs: list) -> None:
+        """In order; what cannot go now (not Ready yet, its connection still being made, or it stopped reading)
+        waits in `pending`, retried every loop (a process that stopped reading is killed by the hang check)."""
+        proc.pending.extend(msgs)
+        if proc.ready:
+            self.flush(proc)
+
+    def flush(self, proc: IngestProcess) -> None:
+        while proc.pending:
+            try:
+                proc.cmd.send(wire.encode(proc.pending[0]), zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            proc.pending.pop(0)
+
+    def check(self, now: float) -> list[IngestProcess]:
+        """Commands flushed, hung processes killed; the processes that have exited (to be reaped)."""
+        ic = self.cfg.ingest
+        gone = []
+        for proc in list(self.procs.values()):
+            if proc.ready and proc.pending:
+                self.flush(proc)
+            if not proc.handle.is_alive():
+                gone.append(proc)
+                continue
+            why = proc.hung(now, ic.hang_after_s, ic.start_timeout_s)
+            if why and not proc.kill_reason:
+                proc.kill_reason = why
+                log.error("ingest: %s %s: killing it", proc.label, why)
+                proc.handle.kill()
+        return gone
+
+    def reap(self, proc: IngestProcess) -> None:
+        """An exited process forgotten (its uplink was read to its end by the caller)."""
+        self.procs.pop(proc.idx, None)
+        proc.cmd.close(0)
+        proc.handle.join(0)
+
+    def tell_exit(self) -> None:
+        for proc in list(self.procs.values()):
+            if proc.ready:
+                self.send(proc, [wire.Exit()])
+
+    def any_alive(self) -> bool:
+        return any(p.handle.is_alive() for p in self.procs.values())
+
+    def close(self, t_end: float) -> None:
+        """Every process joined until `t_end` (told to exit before: tell_exit), killed past it; sockets closed."""
+        import time
+        for proc in list(self.procs.values()):
+            proc.handle.join(max(0.1, t_end - time.monotonic()))
+            if proc.handle.is_alive():
+                log.warning("ingest: %s did not exit in time: killed", proc.label)
+                proc.handle.kill()
+                proc.handle.join(2.0)
+            proc.cmd.close(0)
+        self.procs.clear()
+        self._ctx.term()
+
+    def pids(self) -> dict[int, int]:
+        return {p.idx: p.handle.pid for p in list(self.procs.values())}
+
+    def describe(self) -> list[dict]:
+        return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated}
+                for p in list(self.procs.values())]
+
+
+def _child_main(*args) -> None:
+    from engine.ingest.process import main
+    main(*args)
