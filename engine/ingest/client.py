@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
+import multiprocessing.util
 import select
 import shutil
 import socket
@@ -33,12 +33,12 @@ from typing import Any, Callable, Optional
 from engine.config import EngineConfig, StreamConfig
 from engine.frames.ring import FrameRing
 from engine.ingest import slots as ingest_slots
-from engine.ingest import uplink, wire
+from engine.ingest import janitor, uplink, wire
 from engine.ingest.lease import RemoteIngest
 from engine.ingest.leases import Leases
 from engine.ingest.procs import ProcessManager
 from engine.ingest.slots import Segment
-from engine.ingest.supervisor import IngestProcess, exit_reason
+from engine.ingest.supervisor import IngestProcess
 
 log = logging.getLogger("vidar.ingest")
 
@@ -49,15 +49,21 @@ _STREAM_UP = (wire.FrameReady, wire.Geometry, wire.StreamEvent, wire.StreamState
 class IngestHub:
     def __init__(self, cfg: EngineConfig, *, emit: Callable[[str, str, str], None], cores: int):
         self.cfg = cfg
-        self._run = secrets.token_hex(4)
+        left = janitor.sweep_dead()
+        if left:
+            log.warning("ingest: removed %d segment(s) and folder(s) that engines which died left behind: %s",
+                        len(left), ", ".join(left[:5]) + (" ..." if len(left) > 5 else ""))
+        self._run = janitor.new_run()  # names the run's segments and folder, and their owner (janitor.py)
+        # before anything of the run exists: whatever ends the engine, its watcher then removes what it made
+        self._watcher = janitor.Watcher(self._run, multiprocessing.util.get_temp_dir())
         # a short ipc path (107 bytes at most): the system temp folder, not a long TMPDIR or stream ids
-        self._dir = tempfile.mkdtemp(prefix=f"vidar-{self._run}-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        self._dir = tempfile.mkdtemp(prefix=f"vidar-{self._run}-", dir=janitor.TMP_DIR)
         self._readers: dict[int, uplink.Reader] = {}  # fd -> each process's uplink (and tests' injected ones)
         self._buf = bytearray(uplink.MAX_MESSAGE)     # the I/O thread's one receive buffer
         self._poller = select.poll()                  # the I/O thread's only
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._inbox: deque = deque()            # ("add" | "remove" | "credit", stream) from other threads
-        self.procs = ProcessManager(cfg, self._dir, cores=cores, on_start=lambda p: self._add_reader(p.up))
+        self.procs = ProcessManager(cfg, self._run, self._dir, cores=cores, on_start=lambda p: self._add_reader(p.up))
         self.leases = Leases(cfg, self._run, self.procs, emit=emit, submit=self._submit)
         self.bad_messages = 0        # messages that did not decode or are not ours
         self._closing = False
@@ -98,6 +104,7 @@ class IngestHub:
     def counters(self) -> dict[str, int]:
         ls = self.leases
         return {"stale_descriptors": ls.stale_descriptors, "bad_messages": self.bad_messages + ls.bad_messages,
+                "bad_commands": sum(p.bad_commands for p in list(self.procs.procs.values())),
                 "restarts": ls.restarts, "processes": len(self.procs.procs), "cuda_unadmitted": ls.pending.dropped}
 
     def pids(self) -> dict[int, int]:
@@ -123,7 +130,7 @@ class IngestHub:
                 now = time.monotonic()
                 if now >= next_check:
                     self.leases.retry(now)
-                    for proc in self.procs.check(now):
+                    for proc in self.procs.check(now, self._drain):
                         self._died(proc)
                     next_check = now + 0.05
         except BaseException as err:  # the engine cannot ingest any more: it dies loudly (health)
@@ -187,7 +194,9 @@ class IngestHub:
             if proc is None or proc.gen != msg.gen:
                 return
             proc.last_beat = time.monotonic()
-            if isinstance(msg, wire.Ready):
+            if isinstance(msg, wire.Heartbeat):
+                proc.bad_commands = msg.bad_commands
+            else:
                 proc.ready, proc.pid = True, msg.pid
                 for s in proc.streams:
                     if (lease := self.leases.leases.get(s)) is not None:
@@ -206,15 +215,24 @@ class IngestHub:
             elif what != "stop":
                 self.leases.apply(what, stream, credit)
 
-    def _died(self, proc: IngestProcess) -> None:
-        reason = proc.kill_reason or exit_reason(proc.handle.exitcode)
-        # what it sent before dying is committed first (its frames are published): all of it, up to its uplink's
-        # end of file (a socketpair keeps what was sent after the sender is gone), not to the first batch without a
-        # frame (a run of states, say); bounded all the same
+    def _read_all(self, proc: IngestProcess) -> set[str]:
+        """Everything waiting in a process's uplink, handled now, up to its end of file if it is gone (not to the
+        first batch without a frame: a run of states, say); bounded all the same. The streams that got frames."""
         touched: set[str] = set()
         for _ in range(64):
             if self._read(proc.up, touched):
                 break
+        return touched
+
+    def _drain(self, proc: IngestProcess) -> None:
+        """What already waits in a live process's uplink, handled before it is judged hung."""
+        self.leases.top_up(self._read_all(proc))
+
+    def _died(self, proc: IngestProcess) -> None:
+        reason = proc.exit_reason()
+        # what it sent before dying is committed first (its frames are published): a socketpair keeps what was
+        # sent after the sender is gone
+        touched = self._read_all(proc)
         self._drop_reader(proc.up)
         self.procs.reap(proc)
         self.leases.credit_after_death(proc, touched)
@@ -242,6 +260,7 @@ class IngestHub:
         efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
         os.close(efd)
         shutil.rmtree(self._dir, ignore_errors=True)
+        self._watcher.close()
 
     def _read_until_exited(self, t_end: float) -> None:
         """Read and let go of what the processes still send until they have exited (or `t_end`): the I/O thread has

@@ -73,6 +73,7 @@ class Lease:
     next_seq: int = 0
     removing: bool = False
     unplaced_since: Optional[float] = None  # no process could be started for it: retried
+    unplaced_tries: int = 0
     segment_retry: Optional[tuple[int, int, float, float]] = None  # (h, w, since, next try): no fd for a segment
     retry_at: float = 0.0
 

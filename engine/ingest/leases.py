@@ -15,8 +15,6 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-import zmq
-
 from engine.config import EngineConfig, StreamConfig
 from engine.errors import SourceError
 from engine.frames.lifecycle import DropReason, FrameMeta
@@ -25,7 +23,7 @@ from engine.ingest import wire
 from engine.ingest.cuda_slots import PendingFrames
 from engine.ingest.lease import Lease, RemoteIngest
 from engine.ingest.procs import ProcessManager
-from engine.ingest.slots import Segment, ShmSpaceError
+from engine.ingest.slots import Segment, ShmSpaceError, segment_name
 from engine.ingest.supervisor import IngestProcess, RestartPolicy
 
 log = logging.getLogger("vidar.ingest")
@@ -130,6 +128,9 @@ class Leases:
 
     def _state(self, lease: Lease, msg: wire.StreamState) -> None:
         r = lease.remote
+        if msg.final and msg.end_reason == "stopped" and not (lease.removing or lease.ring.closed):
+            self._stopped_unasked(lease)
+            return
         r.total_frames, r.reconnects = msg.total_frames, max(r.reconnects, msg.reconnects)
         r.source.decode_errors = msg.decode_errors
         if msg.decode_device:
@@ -140,6 +141,17 @@ class Leases:
             r.state, r.failed, r.end_reason = msg.state, msg.failed, msg.end_reason
         if msg.final:
             self.end(lease)
+
+    def _stopped_unasked(self, lease: Lease) -> None:
+        """A process stopped a stream the engine never asked it to stop (an Exit or a RemoveStream the engine did
+        not send): that is no end of stream. The process is killed, and its death restarts its streams under the
+        restart policy, with the reason; one path for every way a process can go wrong."""
+        proc = lease.proc
+        if proc is None or proc.kill_reason:
+            return
+        proc.kill_reason = f"stopped stream {lease.stream} without being told to"
+        log.error("ingest: %s %s: killing it", proc.label, proc.kill_reason)
+        proc.kill()
 
     def _geometry(self, lease: Lease, h: int, w: int, gen: int) -> None:
         seg = lease.segment
@@ -153,7 +165,7 @@ class Leases:
         """A segment for the stream's frames of h x w, its slots and credits (or the stream fails)."""
         n = lease.ring.slots_needed(h, w)
         lease.segments_made += 1
-        name = f"vidar-{self._run}-{lease.stream}-{lease.segments_made}"
+        name = segment_name(self._run, lease.stream, lease.segments_made)
         try:
             seg = Segment(name, n, h, w, create=True)
         except OSError as err:
@@ -210,7 +222,7 @@ class Leases:
         log.error("stream %s: %s", lease.stream, reason)
         self._emit(lease.stream, "error", reason)
         lease.ring.close()
-        if lease.proc is not None and lease.proc.handle.is_alive():
+        if lease.proc is not None and lease.proc.alive():
             lease.removing = True
             self._procs.send(lease.proc, [wire.RemoveStream(lease.stream)])
         else:
@@ -247,7 +259,7 @@ class Leases:
             self.place(lease)
         elif what == "remove" and not lease.removing:
             lease.removing = True
-            if lease.proc is not None and lease.proc.handle.is_alive():
+            if lease.proc is not None and lease.proc.alive():
                 self._procs.send(lease.proc, [wire.RemoveStream(stream)])
             else:
                 self.end(lease)
@@ -256,10 +268,12 @@ class Leases:
     def place(self, lease: Lease) -> None:
         try:
             proc = self._procs.pick(lease.stream, lease.stream in self.policy.isolated)
-        except (zmq.ZMQError, OSError) as err:  # EMFILE (a descriptor flood), EAGAIN (no process left)
-            self._unplaced(lease, err)
+        except Exception as err:  # noqa: BLE001 -- any failure to start a process (ProcessManager.start) is this
+            self._unplaced(lease, err)  # stream's, retried; never the I/O thread's, which is every stream's
             return
-        lease.unplaced_since = None
+        if lease.unplaced_since is not None:
+            log.warning("stream %s: placed on %s after %d failed tries", lease.stream, proc.label, lease.unplaced_tries)
+        lease.unplaced_since, lease.unplaced_tries = None, 0
         lease.proc = proc
         proc.streams.add(lease.stream)
         lease.remote.process = proc.label
@@ -283,18 +297,23 @@ class Leases:
             self._procs.send(proc, cmds)
 
     def _unplaced(self, lease: Lease, err: BaseException) -> None:
-        """No process could be started for the stream: retried every second (the I/O thread goes on, and so do
-        the other streams); past ingest.start_timeout_s it fails with the reason."""
+        """No process could be started for the stream: retried with backoff (0.5 s doubling to 4 s; the I/O thread
+        goes on, and so do the other streams), announced once with the reason (a `reconnecting` event); past
+        ingest.start_timeout_s it fails with the reason."""
         now, limit = time.monotonic(), self.cfg.ingest.start_timeout_s
         why = f"no ingest process could be started for it: {type(err).__name__}: {err}"
+        lease.unplaced_tries += 1
         if lease.unplaced_since is None:
             lease.unplaced_since = now
-            log.warning("stream %s: %s; retrying every second for up to ingest.start_timeout_s=%g s",
+            log.warning("stream %s: %s; retrying with backoff for up to ingest.start_timeout_s=%g s",
                         lease.stream, why, limit)
+            if not lease.remote.failed:
+                lease.remote.state = "reconnecting"
+                self._emit(lease.stream, "reconnecting", f"{why}; retrying for up to ingest.start_timeout_s={limit:g} s")
         if now - lease.unplaced_since > limit:
-            self.fail(lease, why)
+            self.fail(lease, f"{why} (tried {lease.unplaced_tries} times in {limit:g} s, ingest.start_timeout_s)")
         else:
-            lease.retry_at = now + 1.0
+            lease.retry_at = now + min(4.0, 0.5 * 2 ** (lease.unplaced_tries - 1))
 
     def retry(self, now: float) -> None:
         """Placements and segments that could not be made (out of processes or descriptors), tried again."""

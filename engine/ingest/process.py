@@ -38,7 +38,7 @@ from engine.errors import SourceError
 from engine.frames.ingest import IngestThread
 from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.ingest import wire
-from engine.ingest.slots import Segment
+from engine.ingest.slots import Segment, check_name
 
 log = logging.getLogger("vidar.ingest")
 
@@ -70,8 +70,8 @@ class RemoteRing:
     (ring_full, reported in every FrameReady and StreamState). Offline: waits for a credit, so back-pressure
     reaches the decoder. A new frame size asks the core for new slots (Geometry) and drops its credits."""
 
-    def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int):
-        self.stream, self.live, self._send, self._max_pixels = stream, live, send, max_frame_pixels
+    def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int, run: str = ""):
+        self.stream, self.live, self._send, self._max_pixels, self._run = stream, live, send, max_frame_pixels, run
         self._cond = threading.Condition()
         self._gen = gen
         self._credits: deque[int] = deque()
@@ -96,6 +96,7 @@ class RemoteRing:
                 self._copy_stream = self._cuda.Stream()  # the process's copies, off the decoder's stream
             seg: Any = cuda_slots.AttachedSlots.open(msg, self._cuda)
         else:
+            check_name(msg.name, self._run, self.stream)  # ValueError: the caller refuses the Slots
             seg = Segment(msg.name, msg.count, msg.h, msg.w, create=False)
         with self._cond:
             self._segment, self._gen = seg, msg.gen
@@ -206,21 +207,11 @@ def _state(s: IngestThread, gen: int, final: bool = False) -> wire.StreamState:
 
 
 class _Child:
-    def __init__(self, proc: int, send: _Sender):
-        self.proc, self._send = proc, send
+    def __init__(self, proc: int, send: _Sender, run: str = ""):
+        self.proc, self._send, self.run = proc, send, run
         self.streams: dict[str, tuple[_Stream, int]] = {}  # stream -> (thread, lease gen)
         self._lock = threading.Lock()
-
-    def orphaned(self) -> None:
-        """The engine died without unlinking its slots (SIGKILL, a crash): remove the names of the segments this
-        process writes, so a killed engine leaves nothing in /dev/shm. Only here does anyone but the engine
-        unlink: the owner is gone, and the memory goes once the last mapping does."""
-        with self._lock:
-            rings = [t.ring for t, _ in self.streams.values()]
-        for ring in rings:
-            seg = getattr(ring, "_segment", None)
-            if isinstance(seg, Segment):
-                seg.unlink()
+        self.bad_commands = 0  # commands that did not decode or could not be applied (main thread only)
 
     def add(self, msg: wire.AddStream) -> None:
         from engine.config import SourceConfig, StreamConfig
@@ -237,7 +228,8 @@ class _Child:
             self.refuse(msg, err.reason)
             return
         try:
-            ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels)
+            ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels,
+                              run=self.run)
             t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
                         reconnect_initial_s=src.reconnect_initial_s, reconnect_max_s=src.reconnect_max_s,
                         backoff_reset_after_s=src.backoff_reset_after_s, on_end=self._ended)
@@ -273,8 +265,15 @@ class _Child:
             entry = self.streams.get(stream)
         return entry[0].ring if entry else None
 
+    def bad_command(self, err: BaseException) -> None:
+        """A command that did not decode or could not be applied: counted (sent with every heartbeat), logged
+        for the first few and then every 1,000th."""
+        self.bad_commands += 1
+        if self.bad_commands <= 3 or self.bad_commands % 1000 == 0:
+            log.warning("ignored a command (%d so far): %s: %s", self.bad_commands, type(err).__name__, err)
+
     def heartbeat(self, gen: int) -> None:
-        self._send(wire.Heartbeat(self.proc, gen, time.monotonic()))
+        self._send(wire.Heartbeat(self.proc, gen, time.monotonic(), self.bad_commands))
         with self._lock:
             entries = list(self.streams.values())
         for t, g in entries:
@@ -291,44 +290,64 @@ class _Child:
 
 
 def _commands(child: _Child, cmd: zmq.Socket, proc: int) -> bool:
-    """Apply every command waiting (a wake-up each would cost a poll and a GIL retake per message). True: exit."""
+    """Apply every command waiting (a wake-up each would cost a poll and a GIL retake per message). True: exit.
+    A command that does not decode, or whose handling raises, is counted (Heartbeat.bad_commands) and skipped:
+    never the end of the process and of its other streams."""
     for _ in range(1024):  # bounded: the heartbeat goes out between batches
         try:
             msg = wire.decode(cmd.recv(zmq.NOBLOCK))
         except zmq.Again:
             return False
-        if isinstance(msg, wire.Exit):
-            return True
-        if isinstance(msg, wire.AddStream):
-            try:
-                child.add(msg)
-            except Exception as err:  # noqa: BLE001 -- one stream's bad add (a config that no longer
-                # validates, a thread that cannot start) fails that stream, never the process and its others
-                child.refuse(msg, f"cannot start in ingest-{proc}: {type(err).__name__}: {err}")
-        elif isinstance(msg, wire.RemoveStream):
-            entry = child.streams.get(msg.stream)
-            if entry is not None:
-                entry[0].stop()
-        elif isinstance(msg, (wire.Credit, wire.Credits)):
-            for c in msg.credits if isinstance(msg, wire.Credits) else [msg]:
-                if (ring := child.ring(c.stream)) is not None:
-                    ring.credit(c)
-        elif isinstance(msg, (wire.Slots, wire.CudaSlots)):
-            ring = child.ring(msg.stream)
-            if ring is None:
-                continue
-            try:
-                ring.attach(msg)
-            except (OSError, RuntimeError, ValueError) as err:  # the segment went (its stream was removed
-                # meanwhile: the core knows), or a CUDA IPC open failed (RuntimeError)
-                log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
-                ring.attach_failed(msg.gen)
+        except wire.WireError as err:
+            child.bad_command(err)
+            continue
+        try:
+            if _command(child, msg, proc):
+                return True
+        except Exception as err:  # noqa: BLE001 -- one command's failure is counted, the process goes on
+            child.bad_command(err)
     return False
 
 
+def _command(child: _Child, msg: Any, proc: int) -> bool:
+    """One command applied. True: exit."""
+    if isinstance(msg, wire.Exit):
+        return True
+    if isinstance(msg, wire.AddStream):
+        try:
+            child.add(msg)
+        except Exception as err:  # noqa: BLE001 -- one stream's bad add (a config that no longer
+            # validates, a thread that cannot start) fails that stream, never the process and its others
+            child.refuse(msg, f"cannot start in ingest-{proc}: {type(err).__name__}: {err}")
+    elif isinstance(msg, wire.RemoveStream):
+        entry = child.streams.get(msg.stream)
+        if entry is not None:
+            entry[0].stop()
+    elif isinstance(msg, (wire.Credit, wire.Credits)):
+        for c in msg.credits if isinstance(msg, wire.Credits) else [msg]:
+            if (ring := child.ring(c.stream)) is not None:
+                ring.credit(c)
+    elif isinstance(msg, (wire.Slots, wire.CudaSlots)):
+        ring = child.ring(msg.stream)
+        if ring is None:
+            return False
+        try:
+            ring.attach(msg)
+        except (OSError, RuntimeError, ValueError) as err:  # the segment went (its stream was removed
+            # meanwhile: the core knows), a name that is not ours, or a CUDA IPC open failed (RuntimeError)
+            log.warning("stream %s: cannot attach its slots: %s", msg.stream, err)
+            ring.attach_failed(msg.gen)
+    else:  # an up message sent down
+        child.bad_command(wire.WireError(f"{type(msg).__name__} is not a command"))
+    return False
+
+
+
+
 def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: float, nice: int,
-         imports: list[str]) -> None:
-    """The process's entry point (multiprocessing target). `up`: its end of the uplink (uplink.pair)."""
+         imports: list[str], run: str) -> None:
+    """The process's entry point (multiprocessing target). `up`: its end of the uplink (uplink.pair); `run`: the
+    engine's run, which names every segment it may be told to attach (slots.check_name)."""
     # Ctrl-C in a terminal signals the whole process group, and systemd's stop the whole cgroup: an ingest process
     # that died of it mid-drain was taken for a crash and restarted. The core owns the shutdown: it tells each
     # process to exit (wire.Exit), and a process whose core is gone exits by itself (the parent watch below).
@@ -344,9 +363,8 @@ def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: flo
     cmd = ctx.socket(zmq.PULL)
     cmd.bind(cmd_addr)
     send = _Sender(up)
-    child = _Child(proc, send)
-    def core_gone() -> None:
-        child.orphaned()
+    child = _Child(proc, send, run)
+    def core_gone() -> None:  # the engine's slots are its watcher's to remove (janitor.py), never a child's
         os._exit(0)
     send.on_gone = core_gone  # a send that finds the core's end closed (EPIPE): the core died
     parent = multiprocessing.parent_process()
@@ -369,8 +387,13 @@ def main(proc: int, gen: int, up: socket.socket, cmd_addr: str, heartbeat_s: flo
                 continue
             if _commands(child, cmd, proc):
                 break
-    finally:
-        child.stop_all(timeout=5.0)
-        cmd.close(0)
-        ctx.term()
-        up.close()  # what was sent is in the core's end already: it reads it up to the end of file
+    except BaseException:
+        # Not the engine's Exit: a death, never an end. Its streams' final states would read as ends of stream
+        # in the engine, which would then neither restart nor report them; exiting now, none is sent, and the
+        # engine sees a process gone (exit code 70), restarts its streams and says why.
+        log.exception("ingest-%d: main loop failed: exiting without ending its streams", proc)
+        os._exit(70)
+    child.stop_all(timeout=5.0)
+    cmd.close(0)
+    ctx.term()
+    up.close()  # what was sent is in the core's end already: it reads it up to the end of file

@@ -4,7 +4,7 @@ vLLM v1 keeps its engine-core processes in a manager of their own beside the cli
 here. Each process: started by multiprocessing's forkserver (`av`, `numpy` preloaded there, so a child starts
 in milliseconds and never forks a process that has threads), one ZeroMQ PUSH for its commands (the process binds,
 the engine connects: see `start`), one uplink (uplink.py) for what it sends. Its exit is polled here every 50 ms
-(Process.is_alive, a waitpid) rather than registered in the I/O thread's poller, which would need rebuilding at
+(its pidfd: supervisor.IngestProcess.alive) rather than registered in the I/O thread's poller, which would need rebuilding at
 every restart for a gain of at most 50 ms of the 5 s promised. What a death means for its streams is leases.py's.
 Only the I/O thread calls in here.
 """
@@ -15,6 +15,7 @@ import logging
 import math
 import multiprocessing
 import socket
+import time
 from typing import Callable
 
 import zmq
@@ -30,6 +31,8 @@ log = logging.getLogger("vidar.ingest")
 TEST_IMPORTS: list[str] = []
 
 _PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
+#: how often the I/O thread checks its processes (client.IngestHub._loop)
+_CHECK_EVERY_S = 0.05
 
 
 def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
@@ -43,9 +46,9 @@ def resolve_processes(processes: int | str, streams: int, streams_per_process: i
 
 
 class ProcessManager:
-    def __init__(self, cfg: EngineConfig, run_dir: str, *, cores: int,
+    def __init__(self, cfg: EngineConfig, run: str, run_dir: str, *, cores: int,
                  on_start: Callable[[IngestProcess], None]):
-        self.cfg, self._dir, self._on_start = cfg, run_dir, on_start
+        self.cfg, self._run, self._dir, self._on_start = cfg, run, run_dir, on_start
         ic = cfg.ingest
         self.max_procs, rule = resolve_processes(ic.processes, len(cfg.streams), ic.streams_per_process, cores)
         self._auto = ic.processes == "auto"
@@ -55,6 +58,7 @@ class ProcessManager:
         self._ctx = zmq.Context()
         self.procs: dict[int, IngestProcess] = {}
         self._gens: dict[int, int] = {}
+        self._last_check = 0.0  # monotonic, the I/O thread's last check (a longer gap: the engine stalled)
 
     def pick(self, stream: str, isolated: bool) -> IngestProcess:
         """The process for a stream: a new one of its own when quarantined (`isolated`), else the general process
@@ -68,15 +72,19 @@ class ProcessManager:
             return least
         try:
             return self.start(dedicated=False)
-        except (zmq.ZMQError, OSError) as err:
+        except Exception as err:  # noqa: BLE001 -- whatever a start raises (see start): a running process will do
             if least is None:
                 raise
-            log.warning("ingest: cannot start another process (%s): stream %s goes to %s", err, stream, least.label)
+            log.warning("ingest: cannot start another process (%s: %s): stream %s goes to %s", type(err).__name__,
+                        err, stream, least.label)
             return least
 
     def start(self, dedicated: bool) -> IngestProcess:
-        """A new ingest process (raises zmq.ZMQError or OSError when the engine is out of descriptors or
-        processes; the caller retries the placement)."""
+        """A new ingest process. Raises when none can be started, and the caller retries the placement later:
+        zmq.ZMQError or OSError (out of descriptors), EOFError (the forkserver died: a fork it could not make,
+        at a container's pids limit, raises in the forkserver and ends it; multiprocessing starts a new one at the
+        next try), AssertionError or RuntimeError (the forkserver's own descriptor checks), and anything else:
+        every failure to start is one stream's problem, never the engine's."""
         idx = next(i for i in range(len(self.procs) + 1) if i not in self.procs)
         gen = self._gens[idx] = self._gens.get(idx, -1) + 1
         cmd_addr = f"ipc://{self._dir}/c{idx}-{gen}"
@@ -98,7 +106,8 @@ class ProcessManager:
             ic = self.cfg.ingest
             # forkserver passes `theirs` with the arguments (SCM_RIGHTS): the process's own descriptor
             handle = self._mp.Process(target=_child_main, name=f"ingest-{idx}", daemon=True,
-                                      args=(idx, gen, theirs, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS)))
+                                      args=(idx, gen, theirs, cmd_addr, ic.heartbeat_s, ic.nice, list(TEST_IMPORTS),
+                                            self._run))
             handle.start()
         except BaseException:
             core_end.close()
@@ -111,6 +120,7 @@ class ProcessManager:
         finally:
             theirs.close()  # the process has its own copy: its death is then the uplink's end of file here
         proc = IngestProcess(idx, gen, handle, cmd, uplink.Reader(core_end), dedicated=dedicated)
+        proc.open_pidfd()
         proc.up.owner = proc
         self.procs[idx] = proc
         self._on_start(proc)
@@ -132,21 +142,34 @@ class ProcessManager:
                 return
             proc.pending.pop(0)
 
-    def check(self, now: float) -> list[IngestProcess]:
-        """Commands flushed, hung processes killed; the processes that have exited (to be reaped)."""
+    def check(self, now: float, drain: Callable[[IngestProcess], None]) -> list[IngestProcess]:
+        """Commands flushed, hung processes killed; the processes that have exited (to be reaped).
+
+        A hang is judged on the time the I/O thread was there to read: when the thread itself did not run for a
+        while (the engine SIGSTOPped, swapped out, a stop-the-world pause), that time is credited to every process,
+        and a process that looks hung has what already waits in its uplink read (`drain`) before it is judged: a
+        heartbeat waiting there is not its fault. A stall of the engine is never blamed on a process."""
         ic = self.cfg.ingest
+        stalled = now - self._last_check - _CHECK_EVERY_S if self._last_check else 0.0
+        self._last_check = now
         gone = []
         for proc in list(self.procs.values()):
+            if stalled > _CHECK_EVERY_S:
+                proc.last_beat += stalled
+                proc.started_at += stalled
             if proc.ready and proc.pending:
                 self.flush(proc)
-            if not proc.handle.is_alive():
+            if not proc.alive():
                 gone.append(proc)
                 continue
-            why = proc.hung(now, ic.hang_after_s, ic.start_timeout_s)
-            if why and not proc.kill_reason:
+            if proc.kill_reason or not proc.hung(now, ic.hang_after_s, ic.start_timeout_s):
+                continue
+            drain(proc)
+            why = proc.hung(time.monotonic(), ic.hang_after_s, ic.start_timeout_s)
+            if why:
                 proc.kill_reason = why
                 log.error("ingest: %s %s: killing it", proc.label, why)
-                proc.handle.kill()
+                proc.kill()
         return gone
 
     def reap(self, proc: IngestProcess) -> None:
@@ -154,6 +177,7 @@ class ProcessManager:
         self.procs.pop(proc.idx, None)
         proc.cmd.close(0)
         proc.handle.join(0)
+        proc.forget()
 
     def tell_exit(self) -> None:
         for proc in list(self.procs.values()):
@@ -161,18 +185,18 @@ class ProcessManager:
                 self.send(proc, [wire.Exit()])
 
     def any_alive(self) -> bool:
-        return any(p.handle.is_alive() for p in self.procs.values())
+        return any(p.alive() for p in self.procs.values())
 
     def close(self, t_end: float) -> None:
         """Every process joined until `t_end` (told to exit before: tell_exit), killed past it; sockets closed."""
-        import time
         for proc in list(self.procs.values()):
-            proc.handle.join(max(0.1, t_end - time.monotonic()))
-            if proc.handle.is_alive():
+            if not proc.wait(max(0.1, t_end - time.monotonic())):
                 log.warning("ingest: %s did not exit in time: killed", proc.label)
-                proc.handle.kill()
-                proc.handle.join(2.0)
+                proc.kill()
+                proc.wait(2.0)
+            proc.handle.join(0.1)
             proc.cmd.close(0)
+            proc.forget()
         self.procs.clear()
         self._ctx.term()
 

@@ -25,6 +25,21 @@ import numpy as np
 SHM_DIR = "/dev/shm"
 
 
+def segment_name(run: str, stream: str, n: int) -> str:
+    """The name of a stream's n-th segment in a run (the core's naming; `check_name` holds a process to it)."""
+    return f"vidar-{run}-{stream}-{n}"
+
+
+def check_name(name: str, run: str, stream: str) -> None:
+    """Raises ValueError unless `name` is one the core makes for `stream` in `run` (segment_name): an ingest
+    process opens read-write only what its engine created for that stream, never a path ("../x") or another
+    run's or stream's segment. Defence in depth: commands come only from the engine (docs/security.md)."""
+    prefix = f"vidar-{run}-{stream}-"
+    if not (name.startswith(prefix) and name[len(prefix):].isdigit() and name.isascii() and "/" not in name):
+        raise ValueError(f"segment name {name!r} is not one of this run's for stream {stream!r} "
+                         f"({prefix}<n>): refused")
+
+
 class ShmSpaceError(OSError):
     """/dev/shm cannot hold the slots (ENOSPC at creation, or too small at start)."""
 
@@ -58,7 +73,7 @@ class Segment:
         self.frame_bytes = h * w * 3
         size = max(1, count * self.frame_bytes)
         path = os.path.join(SHM_DIR, name)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:

@@ -13,6 +13,8 @@ quarantined stream that again exceeds it fails alone, with the reason.
 
 from __future__ import annotations
 
+import os
+import select
 import signal
 import time
 from collections import deque
@@ -48,6 +50,55 @@ class IngestProcess:
     last_beat: float = field(default_factory=time.monotonic)
     kill_reason: str = ""            # why the core killed it (hung), when it did
     pending: list = field(default_factory=list)  # commands queued until it is Ready
+    pidfd: Optional[int] = None      # the process itself (pidfd_open): readable once it has exited
+    bad_commands: int = 0            # commands it could not decode or apply (its heartbeat says)
+
+    # Whether it is alive is asked of the process itself, through a pidfd, never of multiprocessing's handle: the
+    # handle learns of an exit from the forkserver (its status pipe), and a killed forkserver reads there as
+    # "exit code 255" for every process it started while they run on (and the handle's kill() is then a no-op).
+    # A pidfd also names this process only, never a later one that reused its pid.
+    def open_pidfd(self) -> None:
+        try:
+            self.pidfd = os.pidfd_open(self.handle.pid)
+        except (OSError, AttributeError):  # it exited already (ESRCH), or no pidfd here: the handle decides
+            self.pidfd = None
+
+    def alive(self) -> bool:
+        if self.pidfd is None:
+            return self.handle.is_alive()
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+    def wait(self, timeout: float) -> bool:
+        """Until it has exited or `timeout` s passed; whether it has exited."""
+        if self.pidfd is None:
+            self.handle.join(timeout)
+            return not self.handle.is_alive()
+        return bool(select.select([self.pidfd], [], [], max(0.0, timeout))[0])
+
+    def kill(self) -> None:
+        if self.pidfd is None:
+            self.handle.kill()
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:  # exited already
+            pass
+
+    def exit_reason(self) -> str:
+        """Why it ended: the core's kill reason, or its signal or exit code (as the forkserver reported it)."""
+        if self.kill_reason:
+            return self.kill_reason
+        self.handle.join(0.1)  # the forkserver's report of its status may trail its exit by a moment
+        code = self.handle.exitcode
+        if code == 255:  # what multiprocessing reads when the forkserver's status pipe broke
+            return "exit code 255, or an exit whose status was lost with the forkserver that started it"
+        return exit_reason(code)
+
+    def forget(self) -> None:
+        """Its pidfd closed (it has exited and been handled)."""
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
     @property
     def label(self) -> str:

@@ -37,6 +37,7 @@ class Heartbeat(_Msg):
     proc: int
     gen: int
     t_mono: float
+    bad_commands: int = 0    # commands the process could not decode or apply so far (counted, ignored)
 
 
 class FrameReady(_Msg):
