@@ -9,7 +9,11 @@ forms cameras use (`pw=`, `u=`, `jwt=`, XMEye's `user=admin_password=x` path). A
   `/` or a space moves the `@` past where urllib and FFmpeg end the authority, so the last `@` is used
   instead: this errs on hiding (`rtsp://cam/a@b` shows as `rtsp://***@b`). When that `@` comes after a
   `?` or `#` it may sit in a query value (`?password=a@b`), so what follows it is not shown as a host:
-  `***`. A host that is not a host name or `[IPv6]` with a numeric port (`admin:pw` without `@`) is `***`.
+  `***`. A host that is not a host name or `[IPv6]` with a port of at most 5 digits and at most 65535
+  (`admin:pw` or `admin:73519` without `@`), or, with no `@` before it, that is a user name cameras ship
+  with (KNOWN_USERS, any case) followed by `:` (`admin:1234`: userinfo typed without `@host`), is `***`,
+  its port too. Not caught: a numeric password up to 65535 after another user name (`rtsp://john:1234/x`
+  reads as host `john`, port 1234).
 - path segments that look like names: at most 32 of `A-Z a-z 0-9 . _ ~ -`, in which every run of 12
   or more letters and digits is a word (letters only, lower case after the first, under 24 long): a
   random token, a JWT, a UUID or a hex digest has a run that is not (`Xy7fA9bQz1cD2eF3`), a camera's
@@ -19,10 +23,15 @@ forms cameras use (`pw=`, `u=`, `jwt=`, XMEye's `user=admin_password=x` path). A
   holding `=` (XMEye's `user=admin_password=x_channel=1_stream=0.sdp`) is read as `key=value` parts
   split at `_`, `&` and `;`, each shown as a query pair is. An RTMP URL's last segment is its stream
   key: always `***`.
-- query (and path) pairs: the value of a key in SHOWN_KEYS (%-decoded, any case) is kept; any other
-  key keeps its name (when the name looks like a name, by the path-segment rule, else `***`) and its
-  value becomes `***`; a part without `=` (`?S3cret`, `?real_stream`) is a value: `***`. The fragment
-  is `***`.
+- query (and path) pairs, by key (%-decoded, any case): a stream selector's value (SELECTOR_KEYS; servers
+  put a stream's key there too, `?stream=<key>`) is kept when, %-decoded, it is at most 32 characters of
+  pieces split at `.`, `_` and `-`, each a number of at most 4 digits or a word of SELECTOR_WORDS followed by
+  at most 4 digits (`101`, `main`, `Profile_1`, `channel0_main.bcs`); a format parameter's value (FORMAT_KEYS)
+  is kept when it looks like a name, by the path-segment rule (`h264`, `1280x720`, `29.97`: no long random
+  run); any other value of theirs is `***`. Any other key keeps its name (when the name looks like a name,
+  by the path-segment rule, else `***`) and its value becomes `***`; a part without `=` (`?S3cret`,
+  `?real_stream`) is a value: `***`. The fragment is `***`. Not caught: a selector's secret made of
+  SELECTOR_WORDS and short numbers (`stream=main_1234`).
 
 Files (a plain path, `file:` and `file://`) hold no credentials and are shown as they are. In a free
 text (an exception message, FFmpeg's error) each `scheme://` URL is found and shown by the same rule; its
@@ -36,15 +45,31 @@ import re
 from typing import Optional
 from urllib.parse import unquote
 
-#: Keys whose values are shown, in a query or in a `key=value` path segment (%-decoded, case-
-#: insensitive): stream selectors and format parameters of the cameras and servers vidar reads (Dahua
-#: `channel`/`subtype`, Axis `camera`/`videocodec`/`resolution`, XMEye `channel`/`stream`, ONVIF
-#: `profile`), vidar's synthetic:// parameters, and FFmpeg protocol options that carry no secret.
-#: Everything else is `***`: a key missing here costs a `***`, never a credential.
-SHOWN_KEYS = frozenset({
-    "channel", "ch", "subtype", "stream", "streamtype", "profile", "camera", "videocodec", "resolution",
-    "codec", "width", "height", "fps", "size", "seed", "frames", "unicast", "transport", "rtsp_transport",
-    "latency", "pkt_size", "buffer_size"})
+#: Stream selectors of the cameras and servers vidar reads (Dahua `channel`/`subtype`, Axis `camera`, XMEye
+#: `channel`/`stream`, ONVIF `profile`), in a query or a `key=value` path segment (%-decoded, any case). Some
+#: servers put the stream's key in the same place (`?stream=<key>`, `?channel=<key>`), so a value is shown only
+#: when made of short numbers and SELECTOR_WORDS (_is_selector).
+SELECTOR_KEYS = frozenset({"channel", "ch", "subtype", "stream", "streamtype", "profile", "camera"})
+#: Format parameters (Axis `videocodec`/`resolution`, vidar's synthetic:// parameters, FFmpeg protocol options
+#: that carry no secret): a value is shown when it looks like a name (_is_name), so no long random token passes.
+FORMAT_KEYS = frozenset({
+    "videocodec", "resolution", "codec", "width", "height", "fps", "size", "seed", "frames", "unicast", "transport",
+    "rtsp_transport", "latency", "pkt_size", "buffer_size"})
+#: Keys whose values may be shown. Everything else is `***`: a key missing here costs a `***`, never a credential.
+SHOWN_KEYS = SELECTOR_KEYS | FORMAT_KEYS
+#: The words a stream selector's value is made of (any case), each optionally followed by up to 4 digits: stream
+#: names (Hikvision/ONVIF `Profile_1`, `MainStream`; Reolink `channel0_main.bcs`; XMEye `0.sdp`), codecs and
+#: the file extensions servers append. A word missing here costs a `***`, never a credential.
+SELECTOR_WORDS = frozenset({
+    "main", "sub", "mainstream", "substream", "third", "thirdstream", "primary", "secondary", "hd", "sd", "low",
+    "high", "default", "channel", "ch", "stream", "profile", "media", "video", "live", "track", "h264", "h265",
+    "hevc", "mjpeg", "sdp", "bcs", "mp4", "flv", "m3u8"})
+#: User names cameras and NVRs ship with (Hikvision and Dahua `admin`, Axis `root`, ONVIF's `administrator`,
+#: `operator`, `user`, Ubiquiti `ubnt`, ...): such a name before a `:` where the host goes (`rtsp://admin:1234/x`)
+#: is userinfo typed without `@host`, never a camera's host name. Kept small: each costs a `***` for a host so named.
+KNOWN_USERS = frozenset({
+    "admin", "administrator", "root", "user", "guest", "operator", "supervisor", "service", "viewer", "support",
+    "ubnt"})
 #: `scheme://` where a URL starts inside a text (the lookbehind keeps `xrtsp://` from matching at `rtsp`).
 _URL_START = re.compile(r"(?<![A-Za-z0-9+.-])([A-Za-z][A-Za-z0-9+.-]*)://")
 _LINE_END = re.compile(r"[\r\n]")
@@ -52,8 +77,12 @@ _LINE_END = re.compile(r"[\r\n]")
 #: (the end of `'rtsp://...': refused`; a quote inside a value, `pw=a'b`, does not end it).
 _TEXT_URL_END = re.compile(r"\s|['\"](?=[\s:,;)\]]|$)")
 _TRAILING_PUNCT = ".,;:!)]>"
-#: A host name, an IPv4 address or an `[IPv6%zone]`, with an optional numeric port.
-_HOST = re.compile(r"(?:\[[0-9A-Za-z:.%]*\]|[A-Za-z0-9._~%-]*)(?::[0-9]*)?")
+#: A host name, an IPv4 address or an `[IPv6%zone]`, with an optional numeric port (checked in _is_host).
+_HOST = re.compile(r"(?P<name>\[[0-9A-Za-z:.%]*\]|[A-Za-z0-9._~%-]*)(?P<colon>:(?P<port>[0-9]*))?")
+_MAX_PORT = 65535
+#: A piece of a stream selector's value: letters (a word of SELECTOR_WORDS, or none), then at most 4 digits.
+_SELECTOR_PIECE = re.compile(r"([A-Za-z]*)([0-9]{0,4})")
+_SELECTOR_SEP = re.compile(r"[._-]")
 _NAME = re.compile(r"[A-Za-z0-9._~-]{1,32}")
 #: 12 or more letters and digits in a row: a word when shorter than 24 and lower case after its first
 #: letter (`transportmode`, `Surveillance`), else a token: a random run of 12 from [A-Za-z0-9] is a word
@@ -110,7 +139,7 @@ def _shown_url(text: str, scheme: str, start: int, stop: int, bare: bool) -> tup
     rest, hash_, fragment = text[start:end].partition("#")
     rest, qmark, query = rest.partition("?")
     host, slash, path = rest.partition("/")
-    out.append(host if host_shown and _HOST.fullmatch(host) else _HIDDEN)
+    out.append(host if host_shown and _is_host(host, userinfo=at >= 0) else _HIDDEN)
     if slash:
         segments = [_shown_segment(s) for s in path.split("/")]
         if scheme.lower() in ("rtmp", "rtmps") and segments[-1]:
@@ -139,6 +168,41 @@ def _is_name(token: str) -> bool:
     return all(len(run) < 24 and run.isalpha() and run[1:].islower() for run in _LONG_RUN.findall(token))
 
 
+def _is_host(host: str, userinfo: bool) -> bool:
+    """A host part that may be shown: a host name or address with a real port (at most 5 digits, at most 65535)
+    or none; without userinfo before it, not a known user name before a `:` (`admin:1234` is userinfo typed
+    without `@host`; after `user:pw@` it is a host that happens to be named so)."""
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return False
+    port = m.group("port")
+    if port and (len(port) > 5 or int(port) > _MAX_PORT):
+        return False
+    return userinfo or not (m.group("colon") and unquote(m.group("name")).lower() in KNOWN_USERS)
+
+
+def _is_selector(value: str) -> bool:
+    """A stream selector's value that may be shown (%-decoded): at most 32 characters of pieces split at `.`,
+    `_`, `-`, each a number of at most 4 digits or a word of SELECTOR_WORDS with at most 4 digits after it."""
+    if not value:
+        return True
+    if len(value) > 32:
+        return False
+    for piece in _SELECTOR_SEP.split(value):
+        m = _SELECTOR_PIECE.fullmatch(piece)
+        if piece.lower() in SELECTOR_WORDS:  # `h264`: a word that ends in digits itself
+            continue
+        if m is None or not (m.group(1).lower() in SELECTOR_WORDS or (not m.group(1) and m.group(2))):
+            return False
+    return True
+
+
+def _shown_value(key: str, value: str) -> bool:
+    """Whether the value of `key` (a key of SHOWN_KEYS, lower case) may be shown."""
+    value = unquote(value)
+    return _is_selector(value) if key in SELECTOR_KEYS else not value or _is_name(value)
+
+
 def _shown_segment(segment: str) -> str:
     if "=" in segment:
         return _shown_pairs(segment, _PATH_PART_SEP)
@@ -146,15 +210,18 @@ def _shown_segment(segment: str) -> str:
 
 
 def _shown_pairs(text: str, sep: re.Pattern) -> str:
-    """`key=value` parts split at `sep` (its separators kept): SHOWN_KEYS keep their value, every other
-    value (and a part without `=`, which is a value) is `***`."""
+    """`key=value` parts split at `sep` (its separators kept): SHOWN_KEYS keep a value their rule allows
+    (_shown_value), every other value (and a part without `=`, which is a value) is `***`."""
     parts = sep.split(text)
     for i in range(0, len(parts), 2):  # the odd items are the separators
-        key, eq, _value = parts[i].partition("=")
+        key, eq, value = parts[i].partition("=")
+        name = unquote(key).lower()
         if not eq:
             parts[i] = _HIDDEN if key else ""
-        elif unquote(key).lower() not in SHOWN_KEYS:
+        elif name not in SHOWN_KEYS:
             parts[i] = f"{key if _is_name(unquote(key)) else _HIDDEN}={_HIDDEN}"
+        elif not _shown_value(name, value):
+            parts[i] = f"{key}={_HIDDEN}"
     return "".join(parts)
 
 

@@ -7,6 +7,9 @@ The older cases (the last `@`, spaces, free text) are in tests/streams/test_host
 import asyncio
 import json
 import logging
+import re
+import signal
+import subprocess
 import threading
 import time
 import urllib.error
@@ -26,8 +29,9 @@ from tests.support.net import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
-#: Every secret in the tables below is spelled with one of these; none may ever be shown.
-SECRETS = ("S3cret", "SECRET", "my pass", "ab//")
+#: Every secret in the tables below is spelled with one of these; none may ever be shown. A numeric password is
+#: matched with the `:` or `=` written before it, so that a number in an event (a timestamp) cannot match it.
+SECRETS = ("S3cret", "SECRET", "my pass", "ab//", "Xy7fA9bQz1", "admin:", "ROOT:", ":73519", ":99999", "=86420")
 
 CAMERA_URLS = [
     # Hikvision
@@ -75,6 +79,36 @@ CAMERA_URLS = [
     ("http://h/x?password=a@S3cret", "http://***@***"),
     ("rtsp://admin:S3cret/x", "rtsp://***/x"),
     ("rtsp://h/x?channel=1#S3cret", "rtsp://h/x?channel=1#***"),
+    # issue 41 item 8: userinfo typed without `@host` reads as `host:port`. A port over 65535 is no port, and a
+    # host that is a known user name with a `:` is userinfo: the whole host part is `***`
+    ("rtsp://admin:73519/x", "rtsp://***/x"),
+    ("rtsp://admin:4862/Streaming/Channels/101", "rtsp://***/Streaming/Channels/101"),
+    ("rtsp://ROOT:554/live", "rtsp://***/live"),
+    ("rtsp://admin:73519", "rtsp://***"),
+    ("rtsp://Operator:1234?channel=1", "rtsp://***?channel=1"),
+    ("rtsp://admin:/x", "rtsp://***/x"),
+    ("rtsp://10.0.0.5:99999/x", "rtsp://***/x"),
+    ("rtsp://[fe80::1]:73519/live", "rtsp://***/live"),
+    ("rtsp://admin/x", "rtsp://admin/x"),  # a host named `admin` without `:`: nothing secret in it
+    ("rtsp://cam-admin.local:65535/x", "rtsp://cam-admin.local:65535/x"),
+    ("rtsp://admin:S3cret@operator:554/x", "rtsp://***@operator:554/x"),  # after `user:pw@`: a host, whatever its name
+    # issue 41 item 8: servers that put the stream key in a stream selector. A selector's value is shown when it
+    # is a short number or a known word (optionally with digits: `Profile_1`, `channel0_main.bcs`), else `***`
+    ("rtsp://10.0.0.20:554/live?stream=Xy7fA9bQz1cD2eF3&channel=S3cretKey",
+     "rtsp://10.0.0.20:554/live?stream=***&channel=***"),
+    ("http://10.0.0.21/live?ch=86420&subtype=S3cret&streamtype=S3cret_main&camera=SECRET&profile=S3cret1",
+     "http://10.0.0.21/live?ch=***&subtype=***&streamtype=***&camera=***&profile=***"),
+    ("rtsp://h/user=admin_password=x_channel=S3cret_stream=Xy7fA9bQz1cD2eF3.sdp",
+     "rtsp://h/user=***_password=***_channel=***_stream=***"),
+    ("rtsp://h/x?stream=%53%33cret", "rtsp://h/x?stream=***"),
+    ("rtsp://h/x?channel=101&subtype=1&stream=main&StreamType=Sub&camera=2&ch=0102&profile=profile1",
+     "rtsp://h/x?channel=101&subtype=1&stream=main&StreamType=Sub&camera=2&ch=0102&profile=profile1"),
+    ("rtsp://h/onvif?profile=Profile_2&stream=MainStream&channel=ch1&streamtype=hd-1",
+     "rtsp://h/onvif?profile=Profile_2&stream=MainStream&channel=ch1&streamtype=hd-1"),
+    # format parameters: shown when name-like (the path-segment rule), so no long random token passes
+    ("rtsp://h/x?codec=Xy7fA9bQz1cD2eF3&fps=29.97&resolution=1280x720&buffer_size=1048576&rtsp_transport=tcp",
+     "rtsp://h/x?codec=***&fps=29.97&resolution=1280x720&buffer_size=1048576&rtsp_transport=tcp"),
+    ("srt://10.0.0.14:9000?latency=S3cretXy7fA9bQz1", "srt://10.0.0.14:9000?latency=***"),
     # nothing secret: shown as written (files are paths, not URLs)
     ("synthetic://shapes?size=640x360&fps=30&frames=10&seed=1",
      "synthetic://shapes?size=640x360&fps=30&frames=10&seed=1"),
@@ -257,3 +291,100 @@ def test_camera_credentials_never_reach_list_view_websocket_events_or_log(endpoi
     assert all(sid in json.loads(ws)["streams"] for sid in urls), ws[:2000]
     assert "stream served added (http://***@127.0.0.1" in caplog.text
 
+
+
+# -- issue 41 item 8: `vidar run`, its ingest processes' logs included ---------------------------------------
+#: A stream key as servers hand them out (random letters and digits): never shown, in `stream=` nor `channel=`.
+KEY = "Xy7fA9bQz1cD2eF3"
+
+
+def _vidar_run(tmp_path, streams: list[dict]):
+    """`vidar run` as a child, its stdout and stderr in files: the engine's log and its ingest processes' (they
+    inherit its stderr through the forkserver), which caplog cannot see. (process, control, publisher, view URL,
+    stdout path, stderr path)."""
+    import sys
+
+    import yaml
+    ctl, pub, vport = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}", free_port()
+    cfg = {"streams": streams,
+           "models": {"classify": {"name": "test_vit", "weights": "random", "max_batch": 1, "device": "cpu"}},
+           "publish": {"endpoint": pub}, "metrics": {"enabled": False}, "status": {"interval_s": 1},
+           "control": {"endpoint": ctl}, "view": {"enabled": True, "port": vport},
+           "ingest": {"processes": 2, "nice": 0},
+           # decode on the CPU: a stream that may use NVDEC stays a thread in the engine process (stream_table.py)
+           "source": {"decode": "cpu", "open_timeout_s": 2, "stall_timeout_s": 2, "reconnect_initial_s": 0.2,
+                      "reconnect_max_s": 0.5}}
+    path = tmp_path / "vidar.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(path)], stdout=fo, stderr=fe)
+    return proc, ctl, pub, f"http://127.0.0.1:{vport}/", out, err
+
+
+@pytest.mark.timeout(180)
+def test_stream_keys_and_userinfo_typed_as_a_host_never_leave_vidar_run(tmp_path, clip48):
+    """Issue 41 item 8 against `vidar run` with ingest processes: a stream key in `stream=` and `channel=`
+    (a refused port: the ingest process logs the failed open and a `reconnecting` event quotes the URL; a served
+    clip: a `started` event quotes it) and `rtsp://admin:73519/x` (a numeric password typed without `@host`),
+    given in the config file and added through the control socket. None of the secrets is in the `list` reply,
+    the view's API and websocket, the events, or the stdout and stderr of the engine
+    and its ingest processes; the ingest processes did log the (redacted) URL, and decoded every stream."""
+    from engine.control.control_socket import request
+    refused = free_port()  # nothing listens there once the probe socket is closed: refused in about 1 ms
+    server = _ClipServer(clip48.read_bytes())
+    urls = {"key": f"rtsp://127.0.0.1:{refused}/live?stream={KEY}&channel=S3cretKey",
+            "userhost": "rtsp://admin:73519/x",  # FFmpeg refuses the port at once (tcp.c: 0 < port < 65536)
+            "served": f"http://127.0.0.1:{server.port}/clip.mp4?stream={KEY}&channel=1"}
+    in_config = {"cfgkey": f"rtsp://127.0.0.1:{refused}/cam/realmonitor?channel={KEY}&subtype=0"}
+    proc, ctl, pub, view_url, out, err = _vidar_run(
+        tmp_path, [{"id": "cam0", "url": "synthetic://shapes?size=64x48&fps=10"}]
+        + [{"id": sid, "url": url} for sid, url in in_config.items()])
+    try:
+        with Subscriber(pub, ["classify.cam0", "event."]) as sub:
+            # a result of cam0 received: the subscription is live, so no event of the streams added next is lost
+            assert _events(sub, lambda ms: any(m["type"] != "event" for m in ms), timeout=60), open(err).read()
+            for sid, url in urls.items():
+                reply = request(ctl, {"op": "add_stream", "stream": {"id": sid, "url": url}}, timeout=15)
+                assert reply == {"ok": True, "stream": sid}, reply
+            events = _events(sub, lambda ms: set(urls) <= {m["stream"] for m in ms if m["type"] == "event"}
+                             and any(m["stream"] == "served" and m["kind"] == "started" for m in ms), timeout=30)
+            listed = request(ctl, {"op": "list"}, timeout=15)
+            api = _http(view_url + "api/streams")
+            ws = _ws_state(view_url, set(urls) | set(in_config), timeout=20)
+            for sid in [*urls, *in_config]:
+                assert request(ctl, {"op": "remove_stream", "stream": sid}, timeout=15) == {"ok": True}
+            events += _events(sub, lambda ms: set(urls) <= {m["stream"] for m in ms if m.get("kind") == "eos"},
+                              timeout=20)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        server.close()
+    stdout, stderr = out.read_text(), err.read_text()
+    ours = [m for m in events if m["type"] == "event" and m["stream"] in urls]
+    for where, text in [("list", repr(listed)), ("view API", api[1]), ("websocket", ws),
+                        ("events", repr(ours)), ("stdout", stdout), ("stderr", stderr)]:
+        leaked = [s for s in SECRETS if s in text]
+        assert not leaked, f"{where} shows {leaked}: {text[:3000]}"
+    every = {**urls, **in_config}
+    shown = {sid: s["url"] for sid, s in listed["streams"].items() if sid in every}
+    assert shown == {sid: redact_url(url) for sid, url in every.items()}, shown
+    assert shown["key"] == f"rtsp://127.0.0.1:{refused}/live?stream=***&channel=***"
+    assert shown["userhost"] == "rtsp://***/x"
+    assert all(listed["streams"][sid]["process"].startswith("ingest-") for sid in every), listed
+    # the engine said something about every stream, quoting the harmless parts of its URL
+    reasons = {sid: " ".join(m["reason"] for m in ours if m["stream"] == sid) for sid in urls}
+    assert f"'rtsp://127.0.0.1:{refused}/live?stream=***&channel=***'" in reasons["key"], reasons
+    assert "'rtsp://***/x'" in reasons["userhost"], reasons
+    assert f"connected to http://127.0.0.1:{server.port}/clip.mp4?stream=***&channel=1" in reasons["served"], reasons
+    assert api[0] == 200 and "stream=***&channel=***" in api[1], api
+    assert set(every) <= set(json.loads(ws)["streams"]), ws[:2000]
+    # the ingest processes' own log lines (`ingest-N` in their format) named the streams' URLs, redacted
+    ingest_lines = [line for line in stderr.splitlines() if re.search(r" ingest-\d+ ", line)]
+    for sid, url in [("key", urls["key"]), ("cfgkey", in_config["cfgkey"]), ("userhost", urls["userhost"])]:
+        assert any(f"stream {sid}:" in line and redact_url(url) in line for line in ingest_lines), stderr[-3000:]
+    assert f"stream key added (rtsp://127.0.0.1:{refused}/live?stream=***&channel=***)" in stderr, stderr[-3000:]
