@@ -301,3 +301,69 @@ def test_a_hang_is_judged_on_time_the_engine_was_there_to_read():
     pm, proc, now = manager(last_check_ago=0.05, beat_ago=2.5)  # silent while the engine read: hung
     pm.check(now, drain=lambda p: None)
     assert killed == [proc] and proc.kill_reason.startswith("hung")
+
+
+@pytest.mark.timeout(60)
+def test_a_re_added_stream_s_old_generation_is_stale_for_the_new_lease(endpoint):
+    """Item 7: lease generations come from one counter for the whole hub: a stream removed and added again under
+    the same id starts above every generation its old lease used, so a leftover descriptor of the old lease (as
+    the old process would still send it) is dropped and counted, never committed to the new ring."""
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
+    up = None
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
+        old = eng.ingest.leases.leases["a"]
+        old_gen = old.gen
+        eng.control({"op": "remove_stream", "stream": "a"})
+        assert wait_for(lambda: "a" not in eng.streams, 10)
+        eng.control({"op": "add_stream", "stream": {"id": "a", "url": SYN}})
+        assert wait_for(lambda: "a" in eng.streams and eng.streams["a"].ingest.seq > 10, 15)
+        new = eng.ingest.leases.leases["a"]
+        assert new is not old and new.assign_gen > old_gen
+        up = eng.ingest.open_uplink()
+        stale = eng.stream_counters()["ingest"]["stale_descriptors"]
+        ingested = eng.pools["classify"].acct.snapshot("a").ingested
+        up.send(wire.encode(wire.FrameReady("a", 0, old_gen, 10 ** 6, 0.0, 0.0, 0.0, 1e12, 0.0, 48, 64,
+                                            ("bt601", "limited"))))
+        assert wait_for(lambda: eng.stream_counters()["ingest"]["stale_descriptors"] == stale + 1, 5)
+        assert not any(m.seq == 10 ** 6 for m in _ring_metas(eng, "a")) and \
+            eng.pools["classify"].acct.snapshot("a").ingested >= ingested
+    finally:
+        if up is not None:
+            up.close()
+        _stop(eng)
+
+
+def _ring_metas(eng, stream):
+    ring = eng.pools["classify"].rings.get(stream)
+    return [m for m in getattr(ring, "_meta", []) if m is not None] if ring is not None else []
+
+
+@pytest.mark.timeout(30)
+def test_a_blocked_geometry_send_never_holds_the_ring_s_condition():
+    """Item 7: RemoteRing.write sends Geometry without its condition held: while that send blocks (the engine not
+    reading), the process's main thread can still hand the ring credits and the stream's state is still read."""
+    import threading
+
+    release = threading.Event()
+    sent = []
+
+    def send(msg):
+        sent.append(msg)
+        if isinstance(msg, wire.Geometry):
+            release.wait(10)  # the uplink full: blocked until the engine reads again
+
+    ring = ingest_process.RemoteRing("a", live=True, gen=1, send=send, max_frame_pixels=10 ** 6, run="r")
+    from engine.frames.lifecycle import FrameMeta
+    meta = FrameMeta("a", 0, 0.0, time.time(), deadline=float("inf"), height=16, width=16)
+    writer = threading.Thread(target=ring.write, args=(meta, np.zeros((16, 16, 3), np.uint8)), daemon=True)
+    writer.start()
+    assert wait_for(lambda: any(isinstance(m, wire.Geometry) for m in sent), 5)
+    t0 = time.monotonic()
+    ring.credit(wire.Credit("a", 1, [0]))  # the main thread: must not wait for the blocked send
+    ring.close()
+    assert time.monotonic() - t0 < 1.0
+    release.set()
+    writer.join(5)
+    assert not writer.is_alive()
