@@ -149,17 +149,20 @@ class FrameRing:
             self._budget.reserve(self, self.stream, n * self._storage.frame_bytes(h, w) + held_old, what)
 
     def _held_old_bytes(self) -> int:
-        """Lock held: bytes of slots that hold arrays of another size than the stream's current one."""
-        return sum(self._storage.nbytes(i) for i in range(self._storage.count())
-                   if self._storage.shape(i) not in (None, self._shape))
+        """Lock held: bytes that slots of an older geometry keep (storage.kept_bytes: an older segment whole)."""
+        st = self._storage
+        return st.kept_bytes(i for i in range(st.count()) if st.stale(i, self._shape))
 
     def _give_back(self) -> None:
-        """Lock held: a closed ring whose slots are all freed returns its reservation. Not while a slot is
-        WRITING: its writer allocates it outside the lock (it may hold memory the shapes do not show yet),
+        """Lock held: a closed ring whose slots are all freed returns its reservation, and its storage lets go of
+        what it still maps (a segment: the ring stays listed for ended_keep_s, its memory does not). Not while a
+        slot is WRITING: its writer allocates it outside the lock (it may hold memory the shapes do not show yet),
         and frees it and calls this once it sees the ring closed."""
-        if self._budget is not None and self._closed and SlotState.WRITING not in self._state \
+        if self._closed and SlotState.WRITING not in self._state \
                 and all(self._storage.shape(i) is None for i in range(self._storage.count())):
-            self._budget.release(self)
+            if self._budget is not None:
+                self._budget.release(self)
+            self._storage.close()
 
     def _allocate(self, h: int, w: int) -> None:
         n = slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots, self._max_slots)
@@ -178,9 +181,11 @@ class FrameRing:
         limit = min(len(self._state), slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots,
                                                 self._max_slots))
         # Free slots are let go now (re-allocated at the new size when reused); slots holding a frame keep
-        # their old arrays until released, so the reservation covers those too until then. (Counting only
-        # the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
-        held_old = sum(self._storage.nbytes(i) for i, state in enumerate(self._state) if state is not SlotState.FREE)
+        # their old memory until released, so the reservation covers it too until then (release() shrinks it).
+        # (Counting only the new size let one huge frame followed by small ones keep ~600 MB outside the budget.)
+        # What they keep is the storage's to say: their own arrays, or for a shared segment the whole segment,
+        # mapped while one view of it lives (counting the held slots only let /dev/shm pass the budget).
+        held_old = self._storage.kept_bytes(i for i, state in enumerate(self._state) if state is not SlotState.FREE)
         self._reserve_bytes(h, w, limit, held_old)  # may not fit the engine's budget: refused before any change
         self.reallocations += 1
         self._shape = (h, w)
@@ -351,13 +356,13 @@ class FrameRing:
                 self._storage.release_after(slot, after)
             self._state[slot] = SlotState.FREE
             self._meta[slot] = None
-            shape = self._storage.shape(slot)
+            stale = self._storage.stale(slot, self._shape)  # an older size or segment
             if slot >= self._limit or self._closed:  # past the limit after a size change, or no more frames
                 self._storage.free(slot)
                 self._give_back()
-            elif shape is not None and shape != self._shape:  # an older size: reallocated when reused
+            elif stale:  # reallocated (a view of the current segment) when reused
                 self._storage.free(slot)
-            if shape is not None and shape != self._shape and not self._closed:
+            if stale and not self._closed:
                 self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
             self._cond.notify_all()
             on_free = self.on_free
@@ -375,30 +380,55 @@ class FrameRing:
     def set_geometry(self, h: int, w: int, segment: Any) -> int:
         """The remote writer's frames are h x w now, in `segment` (created by the caller for slots_needed(h, w)
         slots): reserved in the frame budget (SourceError if it does not fit: nothing changed), every lent
-        slot taken back (its writer drops its credits with the new geometry). Returns the usable slots."""
+        slot taken back (its writer drops its credits with the new geometry). Returns the usable slots; 0 for a
+        closed ring (its stream is going: a Geometry sent before the removal reached its process), which maps and
+        reserves nothing (the caller's segment goes with its lease).
+
+        The budget rule while frames of the older segment are still held (issue 41 item 7b): the reservation is
+        the new segment plus every older segment a held frame still views, whole (a segment stays mapped, and its
+        /dev/shm pages allocated, while one view of it lives), shrunk as the last frame of each is released. A new
+        segment that does not fit beside them is refused like any other (SourceError: the lease fails the stream)
+        rather than /dev/shm passing ring.total_memory_mb. Simpler than sizing the new segment to what is left:
+        a geometry change is rare, and the old frames go within one batch."""
         if h * w > self._max_pixels:
             raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
                                            "raise it if this stream is really that large")
         with self._cond:
             self._reclaim()
+            if self._closed:
+                return 0
             if not self._state:
                 self._allocate(h, w)
-            elif (h, w) != self._shape:
+            else:  # a new size, or a new segment of the same size: held frames keep the old one until released
                 self._resize(h, w)
             self._storage.map(segment)
             return self._limit
 
-    def lend(self, credit: Optional[int] = None) -> list[int]:
+    def free_slots(self) -> int:
+        """FREE slots below the limit (a ring an ingest process's frames are copied into: room for them)."""
+        with self._cond:
+            return self._state[:self._limit].count(SlotState.FREE) if self._state else self._max_slots
+
+    def lent(self) -> int:
+        """Slots lent to the remote writer now (WRITING)."""
+        with self._cond:
+            return self._state.count(SlotState.WRITING)
+
+    def lend(self, credit: Optional[int] = None, most: Optional[int] = None) -> list[int]:
         """FREE slots below the limit -> WRITING, lent to the remote writer. Live: at most `credit` frames in the
         ring at once, READY or lent (None: no cap); beyond it the writer sheds its next frame at the source,
         before the copy (counted), where a copy would only be superseded. Live, when none is free and the
-        writer holds none: the oldest READY frame is dropped (ring_full) and its slot lent, which keeps
-        freshest-first as write()'s overwrite does, but only while another READY frame stays for the scheduler:
-        the frame just committed is never dropped before the core could take it (the writer sheds its next
-        frame at the source instead, counted). Offline: only free slots (the writer waits for them)."""
+        writer holds none: the oldest READY frame is dropped and its slot lent, which keeps freshest-first as
+        write()'s overwrite does, but only while another READY frame stays for the scheduler: the frame just
+        committed is never dropped before the core could take it (the writer sheds its next frame at the source
+        instead, counted ring_full). The frame dropped is counted `superseded`, not ring_full (issue 41 item 7a):
+        a newer frame of its stream waits for the scheduler, which would have dropped the older one as superseded
+        itself, and the lean rule (LEAN_ENTER) counts exactly such wasted copies. Offline: only free slots (the
+        writer waits for them), at most `most` (an offline stream's frames are also copied into other pools'
+        rings: no more lent than they have room for)."""
         with self._cond:
             spells = self.lean_spells
-            out = self._lend(credit)
+            out = self._lend(credit, most)
             first_lean = spells == 0 and self.lean_spells == 1
         if first_lean:  # once a stream (it may go in and out of it every few seconds), outside the ledger lock
             log.info("stream %s: its frames arrive late and in bursts, and the scheduler superseded more than %d%% of "
@@ -406,12 +436,12 @@ class FrameRing:
                      "copy, counted ring_full)", self.stream, round(LEAN_ENTER * 100), LEAN_WINDOW_S)
         return out
 
-    def _lend(self, credit: Optional[int]) -> list[int]:
+    def _lend(self, credit: Optional[int], most: Optional[int] = None) -> list[int]:
         if self._closed or not self._state:
             return []
         # list.count and list.index, not a loop over the slots: the core's I/O thread lends on every frame
         states = self._state[:self._limit]
-        room = len(states)
+        room = len(states) if most is None else min(len(states), most)  # most: room elsewhere (lend's docstring)
         if self.live and credit is not None:
             credit = 1 if self._lean_now() else credit
             room = credit - states.count(SlotState.READY) - states.count(SlotState.WRITING)
@@ -426,17 +456,20 @@ class FrameRing:
                 break
             out.append(i)
         if not out and self.live and SlotState.WRITING not in states:
-            usable = [j for j in self._ready_order if j < self._limit]
-            if len(usable) >= 2:
+            usable = [j for j in self._ready_order if j < self._limit]  # oldest first
+            if len(usable) >= 2:  # never the last one (the newest, just committed): it stays for the scheduler
                 i = usable[0]
                 self._ready_order.remove(i)
-                self._acct.drop(self._meta[i].stream, DropReason.RING_FULL)
+                self._acct.drop(self._meta[i].stream, DropReason.SUPERSEDED)  # usable[-1] is newer (docstring)
                 self._meta[i] = None
                 self.overwrites += 1
                 out = [i]
+        stale = any(self._storage.stale(i, self._shape) for i in out)  # a dropped frame of an older segment
         for i in out:
             self._storage.allocate(i, *self._shape)  # a view of the segment: no memory is allocated
             self._state[i] = SlotState.WRITING
+        if stale:  # its view of the older segment went: that segment's bytes, once no view is left (release())
+            self._reserve_bytes(*self._shape, self._limit, self._held_old_bytes())  # shrinks: always fits
         return out
 
     def _lean_now(self) -> bool:

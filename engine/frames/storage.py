@@ -32,7 +32,7 @@ and the engine core share.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import numpy as np
 import torch
@@ -104,6 +104,22 @@ class SlotStorage(ABC):
         """Bytes all slots hold."""
         return sum(self.nbytes(i) for i in range(self.count()))
 
+    def stale(self, slot: int, shape: tuple[int, int]) -> bool:
+        """Whether `slot` holds memory of another geometry than the ring's current `shape` (h, w): the ring frees it
+        as soon as its frame is released (it is allocated again at the current geometry when reused)."""
+        held = self.shape(slot)
+        return held is not None and held != shape
+
+    def kept_bytes(self, slots: Iterable[int]) -> int:
+        """Bytes that stay allocated while `slots` keep their memory, whatever else is freed: what the frame budget
+        counts for frames of an older geometry until they are released. Here each slot's own bytes."""
+        return sum(self.nbytes(i) for i in slots)
+
+    def close(self) -> None:
+        """The ring is closed and every slot freed: let go of any memory still referred to (a segment's mapping), so
+        that it is returned while the ring object is kept (an ended stream stays listed for `ended_keep_s`). The
+        slots' own memory is already freed; nothing here by default."""
+
     @abstractmethod
     def count(self) -> int:
         """Number of slots."""
@@ -165,11 +181,14 @@ class SharedHostSlots(SlotStorage):
     segment; a slot still holding a frame of an older segment keeps its view until it is freed (the old
     segment's mapping lives while a view of it does), then follows the current one when reused.
     Allocation is a view of the segment, never memory of its own: the segment is the memory, reserved in
-    the frame budget by the ring (FrameRing.set_geometry) before it is created."""
+    the frame budget by the ring (FrameRing.set_geometry) before it is created. A segment is mapped whole for as
+    long as one view of it lives, so an older segment counts whole (`kept_bytes`) until its last frame is released,
+    and `close()` drops the current one once the closed ring's slots are all freed (issue 41 item 7b)."""
 
     def __init__(self):
         self._tensors: list[Optional[torch.Tensor]] = []
         self._shapes: list[Optional[tuple[int, int]]] = []  # each slot's (h, w): read per frame, no torch call
+        self._segs: list[Any] = []  # each slot's segment (the one its view maps), None when freed
         self.segment: Any = None
         # each slot's (h, w, 3) view of the current segment, made once at map(): indexing a tensor per frame cost
         # the core's I/O thread a few microseconds a lend
@@ -180,9 +199,17 @@ class SharedHostSlots(SlotStorage):
         self.segment = segment
         self._views = list(torch.from_numpy(segment.array).unbind(0))
 
+    def close(self) -> None:
+        """The current segment's mapping goes with the last reference to it here (its views and the segment): the
+        lease dropped its own at the stream's end, and /dev/shm gets the memory back (the name is already
+        unlinked) while the ring stays listed."""
+        self.segment = None
+        self._views = []
+
     def resize(self, n: int) -> None:
         self._tensors = [None] * n
         self._shapes = [None] * n
+        self._segs = [None] * n
 
     def frame_size(self, frame: Any) -> tuple[int, int]:
         return HostSlots.frame_size(self, frame)
@@ -193,6 +220,7 @@ class SharedHostSlots(SlotStorage):
             raise ValueError(f"slot {slot} of {w}x{h} is not in the ring's segment "
                              f"({None if seg is None else f'{seg.count} x {seg.w}x{seg.h}'})")
         self._tensors[slot], self._shapes[slot] = self._views[slot], (h, w)  # the current segment's, always
+        self._segs[slot] = seg
 
     def write(self, slot: int, frame: Any, ready: Any = None) -> None:
         """The core never writes these slots (its ingest process does); tests may, through a numpy view."""
@@ -205,7 +233,18 @@ class SharedHostSlots(SlotStorage):
         return self._tensors[slot]
 
     def free(self, slot: int) -> None:
-        self._tensors[slot] = self._shapes[slot] = None
+        self._tensors[slot] = self._shapes[slot] = self._segs[slot] = None
+
+    def stale(self, slot: int, shape: tuple[int, int]) -> bool:
+        """A view of an older segment, whatever its size (a new segment may have the old geometry)."""
+        seg = self._segs[slot]
+        return seg is not None and seg is not self.segment
+
+    def kept_bytes(self, slots: Iterable[int]) -> int:
+        """Every segment one of `slots` views, whole: its mapping (and its /dev/shm pages, unlinked or not) lives
+        while one view of it does, not only the slots that hold frames."""
+        segs = {id(seg): seg for seg in (self._segs[i] for i in slots) if seg is not None}
+        return sum(seg.array.nbytes for seg in segs.values())
 
     def shape(self, slot: int) -> Optional[tuple[int, int]]:
         return self._shapes[slot]
@@ -352,6 +391,20 @@ class DeviceSharedSlots(_Nv12Slots, SlotStorage):
         if self._stream is None:
             self._stream = self._cuda.Stream(device=pool.device)  # torch's pool, never the legacy default stream
         self.pool = pool
+
+    def close(self) -> None:
+        """As SharedHostSlots.close: the closed ring holds no reference to its pool's block any more."""
+        self.pool = None
+
+    def stale(self, slot: int, shape: tuple[int, int]) -> bool:
+        """A view of an older pool, whatever its size."""
+        pool = self._pools[slot]
+        return pool is not None and pool is not self.pool
+
+    def kept_bytes(self, slots: Iterable[int]) -> int:
+        """Every pool one of `slots` views, whole: its block lives while one view of it does."""
+        pools = {id(pool): pool for pool in (self._pools[i] for i in slots) if pool is not None}
+        return sum(pool.block.numel() for pool in pools.values())
 
     def frame_bytes(self, h: int, w: int) -> int:
         return h * w * 3 // 2

@@ -45,16 +45,40 @@ def test_a_full_live_ring_lends_the_oldest_of_two_ready_frames_never_the_only_on
     held = r.take_ready()  # the scheduler took frame 0: its slot stays claimed
     _commit(r, slots[1], 1)
     _commit(r, slots[2], 2)
-    # no slot free, the writer holds none, two frames READY: the older (1) goes (ring_full), its slot is lent
+    # no slot free, the writer holds none, two frames READY: the older (1) goes (superseded), its slot is lent
     assert r.lend() == [slots[1]]
-    assert acct.snapshot("cam").dropped.get(DropReason.RING_FULL.value, 0) == 1
+    assert acct.snapshot("cam").dropped == {DropReason.SUPERSEDED.value: 1}
     _commit(r, slots[1], 3)
     [f2] = r.take_ready(1)  # frame 2 taken; frame 3 is the only READY one
     assert f2.meta.seq == 2
     # nothing free and one READY frame, the one just committed: it stays for the scheduler, nothing is lent
     assert r.lend() == []
-    assert acct.snapshot("cam").dropped.get(DropReason.RING_FULL.value, 0) == 1
+    assert acct.snapshot("cam").dropped == {DropReason.SUPERSEDED.value: 1}
     assert [f.meta.seq for f in r.take_ready()] == [3]
+
+
+def test_lending_a_full_live_ring_supersedes_the_oldest_ready_frame_never_the_one_just_committed(ring):
+    """Issue 41 item 7a: lend() frees a slot by dropping the oldest READY frame, counted `superseded` (a newer frame
+    of its stream waits for the scheduler: the older copy is the one spent for nothing, as the scheduler itself
+    would count it), never the frame just committed; and while only one READY frame is left it lends nothing."""
+    r, acct = ring
+    a, b, c = r.lend()
+    for seq, slot in enumerate((a, b, c)):
+        _commit(r, slot, seq)  # three READY frames, none free, the writer holds no lent slot
+    assert r.lend() == [a]  # frame 0, the oldest, goes; frames 1 and 2 stay
+    _commit(r, a, 3)
+    assert r.lend() == [b]  # frame 1: still the oldest, not frame 3 just committed
+    [f2] = r.take_ready(1)  # the scheduler took frame 2: its slot is claimed
+    assert f2.meta.seq == 2
+    _commit(r, b, 4)
+    assert r.lend() == [a]  # frames 3 and 4 READY: 3 goes, never 4
+    _commit(r, a, 5)
+    [f4] = r.take_ready(1)
+    assert f4.meta.seq == 4
+    assert r.lend() == []  # frame 5 is the only READY frame left (the others claimed): it stays, nothing is lent
+    assert [f.meta.seq for f in r.take_ready()] == [5]
+    snap = acct.snapshot("cam")
+    assert snap.dropped == {DropReason.SUPERSEDED.value: 3} and snap.ingested == 6, snap.dropped
 
 
 def test_a_release_tells_the_lender_whether_the_writer_still_holds_a_lent_slot(ring):
@@ -188,3 +212,42 @@ def test_frames_dropped_at_the_source_are_counted_apart_from_those_admitted(ring
     [s] = r.lend(1)
     _commit(r, s, 0)
     assert r.at_source == 5 and acct.snapshot("cam").ingested == 6  # admitted: 6 - 5
+
+
+def test_an_offline_stream_feeding_several_pools_is_lent_only_what_every_ring_has_room_for():
+    """Issue 41 item 10: a stream feeding two pools is written once into the first pool's slot and copied by the
+    engine's I/O thread into the other's ring, which must never wait there (every stream's frames pass that thread).
+    Offline, the process is lent no more slots than the other ring has free beyond the frames already lent; the
+    rest of the back-pressure waits in the process, and no frame is lost."""
+    from types import SimpleNamespace
+
+    from engine.ingest.leases import Leases
+
+    acct, acct2 = Accounting("classify"), Accounting("sam2")
+    first = FrameRing("cam", live=False, accounting=acct, memory_bytes=4 * H * W * 3, min_slots=4, max_slots=4,
+                      max_frame_pixels=10 ** 6, storage=SharedHostSlots())
+    other = FrameRing("cam", live=False, accounting=acct2, memory_bytes=2 * H * W * 3, min_slots=2, max_slots=2,
+                      max_frame_pixels=10 ** 6)
+    seg = Segment(f"vidar-test-{secrets.token_hex(4)}-cam-1", first.slots_needed(H, W), H, W, create=True)
+    try:
+        first.set_geometry(H, W, seg)
+        other.reserve_for(H, W)
+        leases = Leases.__new__(Leases)
+        leases.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
+        lease = SimpleNamespace(ring=first, fanout=(other,), cfg=SimpleNamespace(mode="offline"))
+        lent = leases._lend(lease)
+        assert len(lent) == 2  # the other ring's two free slots, not the first ring's four
+        assert leases._lend(lease) == []  # both lent: nothing more until the other ring frees one
+        for seq, slot in enumerate(lent):  # committed and copied: the other ring takes both without waiting
+            meta = FrameMeta("cam", seq, 0.0, time.time(), deadline=math.inf, height=H, width=W)
+            m2 = FrameMeta("cam", seq, 0.0, time.time(), deadline=math.inf)
+            assert first.commit(slot, meta) and other.write(m2, seg.array[slot])
+        assert leases._lend(lease) == []  # the other ring is full: the process waits, nothing is dropped
+        [ref] = other.take_ready(1)
+        other.release(ref.slot)
+        assert len(leases._lend(lease)) == 1
+        assert sum(acct2.snapshot("cam").dropped.values()) == 0
+    finally:
+        first.close()
+        other.close()
+        seg.unlink()
