@@ -369,15 +369,15 @@ class IngestConfig(_Strict):
     per stream in the engine process (all streams share its GIL). The start log says the rule. Why up to one
     process per core and not one fewer: each process's streams share that process's GIL, and on 2 cores two
     processes published every frame of 48 x 240p60 where one shed a tenth (benchmarks/RESULTS.md). Frames cross
-    by reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. Streams that may decode with
-    NVDEC (decode auto/cuda on a CUDA machine) and streams feeding several pools stay threads in the engine
-    process."""
+    by reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. A stream feeding several pools
+    is written once into its first pool's slot and copied into the others' rings by the engine. Streams that may
+    decode with NVDEC (decode auto/cuda on a CUDA machine) stay threads in the engine process."""
     streams_per_process: int = Field(8, ge=1, le=256)
     """The most streams `auto` puts in one ingest process before starting another (a stated cap, not a hard one:
     beyond the process limit streams go to the least loaded process)."""
     start_timeout_s: float = Field(20.0, gt=0)
     """An ingest process that has not said it is ready within this long is killed and its streams placed again;
-    a stream for which no process can be started (the engine out of descriptors) is retried every second for this
+    a stream for which no process can be started (out of descriptors or processes) is retried with backoff for this
     long, then fails with the reason."""
     nice: int = Field(10, ge=0, le=19)
     """Added to the ingest processes' nice value: when the cores are short the engine process (the scheduler,

@@ -216,7 +216,9 @@ class StreamTable:
                                           min_slots=r.min_slots, max_slots=r.max_slots,
                                           max_frame_pixels=r.max_frame_pixels, notify=self._wake,
                                           max_interval=scfg.max_interval, budget=self.frame_budget,
-                                          storage=SharedHostSlots() if remote else None)
+                                          # in a process, the first pool's slots are the segment it writes;
+                                          # the others' are the engine's own, filled by the hub (leases.py)
+                                          storage=SharedHostSlots() if remote and not entry.rings else None)
             if self._view is not None:
                 entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
             entry.rings[name].on_close = functools.partial(self._watch.__setitem__, entry, None)
@@ -244,7 +246,7 @@ class StreamTable:
             sink = rings[0] if len(rings) == 1 else RingGroup(rings)
             src = self.cfg.source
             if remote:
-                entry.ingest = self._hub.add(scfg, rings[0], source)
+                entry.ingest = self._hub.add(scfg, rings[0], source, fanout=tuple(rings[1:]))
             else:
                 entry.ingest = IngestThread(source, sink, live=live, loop=scfg.loop,
                                             budget_s=self.cfg.budget.latency_ms / 1e3, emit=self._emit,
@@ -269,8 +271,6 @@ class StreamTable:
             # --only ingest_gpu (issue 33 item 8).
             why = ("streams that may decode with NVDEC (decode auto/cuda on a CUDA machine) stay threads in the engine "
                    "process: their CUDA IPC slots have not run on a GPU yet (issue 33 item 8)")
-        elif len(pools) > 1:
-            why = "streams feeding several pools stay threads in the engine process (one ring per pool)"
         if why is None:
             return True
         if why not in self._told_threads:

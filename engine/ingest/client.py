@@ -72,9 +72,10 @@ class IngestHub:
         self._thread.start()
 
     # -- other threads ------------------------------------------------------------------------------------
-    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any) -> RemoteIngest:
-        """Core thread: a stream to decode in a process (started by RemoteIngest.start)."""
-        return self.leases.add(scfg, ring, source)
+    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any, fanout: tuple[FrameRing, ...] = ()) -> RemoteIngest:
+        """Core thread: a stream to decode in a process (started by RemoteIngest.start); `fanout`: the rings of the
+        other pools it feeds (leases.Leases.add)."""
+        return self.leases.add(scfg, ring, source, fanout)
 
     def _submit(self, item: tuple[str, Any], wake: bool = True) -> None:
         self._inbox.append(item)

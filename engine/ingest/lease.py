@@ -22,8 +22,10 @@ from engine.ingest.supervisor import IngestProcess
 class RemoteIngest:
     """What the StreamTable reads from an IngestThread, for a stream decoded in an ingest process."""
 
-    def __init__(self, submit: Callable[[tuple[str, str]], None], source: Any, ring: FrameRing, live: bool):
+    def __init__(self, submit: Callable[[tuple[str, str]], None], source: Any, ring: FrameRing, live: bool,
+                 fanout: tuple[FrameRing, ...] = ()):
         self._submit, self.source, self.ring, self.live = submit, source, ring, live
+        self._rings = (ring, *fanout)
         self.stream = source.stream_id
         self.state = "starting"
         self.failed = False
@@ -40,8 +42,9 @@ class RemoteIngest:
         self._submit(("add", self.stream))
 
     def stop(self) -> None:
-        """Idempotent. The ring closes now (as IngestThread.stop does); its process is told to stop the stream."""
-        self.ring.close()
+        """Idempotent. Its rings close now (as IngestThread.stop closes its sink); its process is told to stop it."""
+        for ring in self._rings:
+            ring.close()
         if not self._ended.is_set():
             self._submit(("remove", self.stream))
 
@@ -60,7 +63,7 @@ class RemoteIngest:
 @dataclass(eq=False)
 class Lease:
     cfg: StreamConfig
-    ring: FrameRing
+    ring: FrameRing          # the first pool's: its slots are the segment's, lent to the process
     remote: RemoteIngest
     size: Optional[tuple[int, int]] = None   # (h, w) known before opening (synthetic sources)
     proc: Optional[IngestProcess] = None
@@ -76,7 +79,12 @@ class Lease:
     unplaced_tries: int = 0
     segment_retry: Optional[tuple[int, int, float, float]] = None  # (h, w, since, next try): no fd for a segment
     retry_at: float = 0.0
+    fanout: tuple[FrameRing, ...] = ()  # the other pools' rings: each committed frame is copied into them here
 
     @property
     def stream(self) -> str:
         return self.cfg.id
+
+    @property
+    def rings(self) -> tuple[FrameRing, ...]:
+        return (self.ring, *self.fanout)

@@ -9,6 +9,7 @@ quarantine or fail).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import logging
@@ -47,17 +48,21 @@ class Leases:
         self.to_wake: Optional[FrameRing] = None  # a ring committed to since the core was last woken
 
     # -- the core thread ---------------------------------------------------------------------------------------
-    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any) -> RemoteIngest:
-        """Core thread: a stream to decode in a process (started by RemoteIngest.start)."""
-        remote = RemoteIngest(self._submit, source, ring, scfg.mode == "live")
+    def add(self, scfg: StreamConfig, ring: FrameRing, source: Any, fanout: tuple[FrameRing, ...] = ()) -> RemoteIngest:
+        """Core thread: a stream to decode in a process (started by RemoteIngest.start). `ring` is the first pool's,
+        whose slots the process writes; `fanout`, the other pools' rings (a stream feeding several pools)."""
+        remote = RemoteIngest(self._submit, source, ring, scfg.mode == "live", fanout)
         size = getattr(source, "frame_size", None)
-        lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None)
+        lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None, fanout=tuple(fanout))
         # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
         # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
         lease.gen = lease.assign_gen = next(self._gens)
         # a freed slot is lent back at the I/O thread's next wake-up; it wakes for it only when the process holds
         # no lent slot of the stream (else its next FrameReady wakes it: one wake-up a frame fewer)
         ring.on_free = lambda held, s=scfg.id: self._submit(("credit", s), wake=not held)
+        if scfg.mode != "live":  # an offline stream's credit waits for room in every pool's ring (_lend)
+            for other in fanout:
+                other.on_free = lambda held, s=scfg.id: self._submit(("credit", s))
         self.leases[scfg.id] = lease
         return remote
 
@@ -72,11 +77,13 @@ class Leases:
         if isinstance(msg, (wire.FrameReady, wire.StreamState)):
             d = msg.dropped - lease.dropped_seen
             if d > 0:
-                lease.ring.drop_at_source(d)
+                for ring in lease.rings:  # every pool's ledger counts the stream's frames
+                    ring.drop_at_source(d)
                 lease.dropped_seen = msg.dropped
             e = msg.expired - lease.expired_seen
             if e > 0:
-                lease.ring.drop_at_source(e, DropReason.DEADLINE)
+                for ring in lease.rings:
+                    ring.drop_at_source(e, DropReason.DEADLINE)
                 lease.expired_seen = msg.expired
         if isinstance(msg, wire.FrameReady):
             self._commit(lease, msg)
@@ -102,8 +109,10 @@ class Leases:
             self.pending.add(msg.stream, msg.gen, msg.slot, written, lambda: self._admit(lease, msg, meta))
 
     def _admit(self, lease: Lease, msg: wire.FrameReady, meta: FrameMeta) -> bool:
+        metas = [dataclasses.replace(meta, extra=dict(meta.extra)) for _ in lease.fanout]  # before commit stamps it
         # the core is woken once per drained batch, not per frame (its Condition.notify was 15 us of GIL a frame)
         if lease.ring.commit(msg.slot, meta, notify=False):
+            self._fan_out(lease, msg.slot, metas)
             self.to_wake = lease.ring
             if lease.remote.state == "starting":  # its first frame: running now, not at the next heartbeat
                 lease.remote.state = "running"
@@ -115,6 +124,31 @@ class Leases:
             log.warning("stream %s: a descriptor named slot %d, which is not lent at %dx%d: dropped", msg.stream,
                         msg.slot, msg.w, msg.h)
         return False
+
+    def _fan_out(self, lease: Lease, slot: int, metas: list[FrameMeta]) -> None:
+        """A stream feeding several pools: the frame its process wrote once into the first pool's slot, copied into
+        each other pool's ring here (as RingGroup does for a thread; the copy releases the GIL). Never blocks: a
+        live ring drops its oldest (counted), and an offline stream was lent slots only while every ring had room
+        for the frames lent (`_lend`)."""
+        seg = lease.segment
+        if seg is None or not lease.fanout:
+            return
+        frame = seg.array[slot]
+        for ring, m in zip(lease.fanout, metas):
+            try:
+                ring.write(m, frame)
+            except SourceError as err:  # a size its ring cannot hold: the stream fails, as a thread's would
+                self.fail(lease, err.reason)
+                return
+
+    def _lend(self, lease: Lease) -> list[int]:
+        """The stream's free slots lent (FrameRing.lend). Offline and feeding several pools: no more than every
+        other pool's ring has free slots for, beyond the frames already lent, so the copy never waits (the
+        process waits for credit instead: back-pressure reaches the decoder, and no frame is lost)."""
+        most = None
+        if lease.fanout and lease.cfg.mode != "live":
+            most = min(r.free_slots() for r in lease.fanout) - lease.ring.lent()
+        return lease.ring.lend(self.cfg.ingest.live_credit, most=most)
 
     def _event(self, lease: Lease, kind: str, reason: str) -> None:
         r = lease.remote
@@ -185,7 +219,7 @@ class Leases:
         if old is not None:
             old.unlink()  # its frames still held stay mapped until released
         lease.gen = next(self._gens)
-        slots = lease.ring.lend(self.cfg.ingest.live_credit)
+        slots = self._lend(lease)
         return [wire.Slots(lease.stream, lease.gen, name, n, h, w), wire.Credit(lease.stream, lease.gen, slots)]
 
     def _short_of_descriptors(self, lease: Lease, h: int, w: int, err: OSError) -> None:
@@ -209,7 +243,7 @@ class Leases:
             lease = self.leases.get(stream)
             if lease is None or lease.proc is None or lease.segment is None:
                 continue
-            slots = lease.ring.lend(self.cfg.ingest.live_credit)
+            slots = self._lend(lease)
             if slots:
                 out.setdefault(lease.proc.idx, (lease.proc, []))[1].append(wire.Credit(stream, lease.gen, slots))
         for proc, credits in out.values():
@@ -221,7 +255,8 @@ class Leases:
         r.failed, r.state, r.end_reason = True, "failed", f"error: {reason}"
         log.error("stream %s: %s", lease.stream, reason)
         self._emit(lease.stream, "error", reason)
-        lease.ring.close()
+        for ring in lease.rings:
+            ring.close()
         if lease.proc is not None and lease.proc.alive():
             lease.removing = True
             self._procs.send(lease.proc, [wire.RemoveStream(lease.stream)])
@@ -230,10 +265,12 @@ class Leases:
 
     def end(self, lease: Lease) -> None:
         """The stream is over in its process (its last frame committed before): slots back, segment unlinked."""
-        lease.ring.on_free = None
+        for ring in lease.rings:
+            ring.on_free = None
         self.pending.forget(lease.stream)
         lease.ring.reclaim()
-        lease.ring.close()
+        for ring in lease.rings:
+            ring.close()
         if lease.segment is not None:
             lease.segment.unlink()
         proc, lease.proc = lease.proc, None
@@ -288,7 +325,7 @@ class Leases:
         seg = lease.segment
         if seg is not None:  # a restart: the same slots, lent again under the new generation
             cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),
-                     wire.Credit(lease.stream, lease.gen, lease.ring.lend(self.cfg.ingest.live_credit))]
+                     wire.Credit(lease.stream, lease.gen, self._lend(lease))]
         elif lease.size is not None:
             cmds += self._new_segment(lease, *lease.size)
         if lease.remote.failed:  # its segment could not be made (_new_segment failed it): nothing was sent, so no
@@ -379,5 +416,6 @@ class Leases:
         for lease in list(self.leases.values()):
             if lease.segment is not None:
                 lease.segment.unlink()
-            lease.ring.on_free = None
+            for ring in lease.rings:
+                ring.on_free = None
             lease.remote.ended()

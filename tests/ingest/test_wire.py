@@ -35,7 +35,7 @@ class _Ring:
     def __init__(self, slots):
         self.slots = slots
 
-    def lend(self, credit=None):
+    def lend(self, credit=None, most=None):
         out, self.slots = self.slots, []
         return out
 
@@ -44,7 +44,8 @@ def test_credits_for_several_streams_go_to_their_process_as_one_message():
     leases = ingest_leases.Leases.__new__(ingest_leases.Leases)  # only top_up's state: no sockets, no thread
     leases.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
     p1, p2 = SimpleNamespace(idx=1), SimpleNamespace(idx=2)
-    lease = lambda proc, gen, slots: SimpleNamespace(proc=proc, segment=object(), gen=gen, ring=_Ring(slots))  # noqa: E731
+    lease = lambda proc, gen, slots: SimpleNamespace(proc=proc, segment=object(), gen=gen, ring=_Ring(slots),  # noqa: E731
+                                                     fanout=())
     leases.leases = {"a": lease(p1, 5, [0, 1]), "b": lease(p1, 7, [3]), "c": lease(p2, 9, [2]),
                      "d": lease(p1, 4, []), "e": lease(None, 3, [1])}  # d: nothing free; e: not placed
     sent = []
