@@ -414,3 +414,34 @@ def test_classify_and_sam2_on_the_same_streams_decode_in_a_process_and_survive_i
         off = sorted(m["seq"] for m in msgs if m.get("stream") == "off" and m["type"] == kind)
         assert off == list(range(40)), (kind, off)
     assert any(k == "reconnecting" and "SIGKILL" in r for k, r in _events(msgs, "a"))
+
+
+@pytest.mark.timeout(60)
+def test_a_running_process_told_to_attach_a_path_opens_nothing_and_its_stream_goes_on(tmp_path, endpoint):
+    """Item 3 against a running engine: a Slots command naming `../` (a file outside /dev/shm, as a forged command
+    would) reaches a live ingest process: the file is never opened for writing nor written, the stream goes on."""
+    target = tmp_path / "outside"
+    target.write_bytes(bytes(48 * 64 * 3 * 4))
+    os.chmod(target, 0o600)
+    rel = os.path.relpath(target, ingest_slots.SHM_DIR)
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
+        [proc] = eng.ingest.procs.procs.values()
+        push.connect(proc.cmd.getsockopt(zmq.LAST_ENDPOINT).decode())
+        lease = eng.ingest.leases.leases["a"]
+        mtime = os.stat(target).st_mtime_ns
+        push.send(wire.encode(wire.Slots("a", lease.gen, rel, 4, 48, 64)))
+        push.send(wire.encode(wire.Credit("a", lease.gen, [0, 1])))
+        published = eng.pools["classify"].acct.snapshot("a").published
+        assert wait_for(lambda: eng.pools["classify"].acct.snapshot("a").published > published + 30, 15)
+        assert target.read_bytes() == bytes(48 * 64 * 3 * 4) and os.stat(target).st_mtime_ns == mtime
+        assert proc.alive() and eng.stream_counters()["ingest"]["restarts"] == 0
+    finally:
+        push.close(0)
+        ctx.term()
+        _stop(eng)
