@@ -204,11 +204,14 @@ class FrameRing:
                 return i
         return None
 
-    def write(self, meta: FrameMeta, frame: Any, stop: Optional[threading.Event] = None, ready: Any = None) -> bool:
+    def write(self, meta: FrameMeta, frame: Any, stop: Optional[threading.Event] = None, ready: Any = None,
+              wait: bool = True) -> bool:
         """Copy one frame into a slot: an (H, W, 3) uint8 RGB numpy array (CPU decode), or an (H * 3 // 2, W)
         uint8 NV12 tensor on a GPU (NVDEC) with `ready`, the CUDA event after which it is valid. Returns
         False if the ring was closed (the frame was then never ingested). Counts the frame as ingested.
-        Live: never blocks. Offline: waits for a free slot."""
+        Live: never blocks. Offline: waits for a free slot; with `wait=False` (the ingest I/O thread, which
+        must never wait: its caller lent only what there was room for) a frame that finds none is dropped
+        (ring_full) and logged, never waited for."""
         if not self._storage_chosen:  # once: the ring's lock is the pool's ledger lock, hot on every frame
             with self._cond:
                 self._choose_storage(frame)
@@ -220,7 +223,7 @@ class FrameRing:
             raise SourceError(self.stream, f"frame {w}x{h} exceeds ring.max_frame_pixels={self._max_pixels}; "
                                            "raise it if this stream is really that large")
         with self._cond:
-            i = self._reserve(h, w, stop)
+            i = self._reserve(h, w, stop, wait)
             if i is None:  # closed, or stopped while waiting for a slot: not ingested
                 return False
             if i == _DROPPED:  # live, every slot claimed: ingested and dropped(ring_full), counted
@@ -266,14 +269,22 @@ class FrameRing:
         if isinstance(frame, torch.Tensor):
             self._storage = DeviceSlots(frame.device)
 
-    def _reserve(self, h: int, w: int, stop: Optional[threading.Event]) -> Optional[int]:
+    def _reserve(self, h: int, w: int, stop: Optional[threading.Event], wait: bool = True) -> Optional[int]:
         """A slot marked WRITING for the next frame (lock held). None: closed or stopped. _DROPPED: live
-        and every slot is claimed; the new frame was counted as ingested and dropped(ring_full)."""
+        and every slot is claimed (or offline with wait=False and none free); the new frame was counted as
+        ingested and dropped(ring_full)."""
         if not self._state:
             self._allocate(h, w)
         elif (h, w) != self._shape:
             self._resize(h, w)
         i = self._free_slot()
+        if i is None and not wait and not self.live and not self._closed:
+            log.error("stream %s: no free slot in pool %s's ring for a frame its writer must not wait for: dropped "
+                      "(ring_full)", self.stream, self._acct.pool)
+            self._acct.ingest(self.stream)
+            self._acct.drop(self.stream, DropReason.RING_FULL)
+            self.overwrites += 1
+            return _DROPPED
         while i is None and not self._closed:
             if self.live:
                 usable = [j for j in self._ready_order if j < self._limit]
@@ -404,10 +415,22 @@ class FrameRing:
             self._storage.map(segment)
             return self._limit
 
-    def free_slots(self) -> int:
-        """FREE slots below the limit (a ring an ingest process's frames are copied into: room for them)."""
+    @property
+    def pool(self) -> str:
+        return self._acct.pool
+
+    def free_slots(self, h: int = 0, w: int = 0) -> int:
+        """FREE slots that frames of h x w could use (below the limit this ring will have at that size, which it
+        takes at its next write: an ingest process's frames copied into it, room for them)."""
         with self._cond:
-            return self._state[:self._limit].count(SlotState.FREE) if self._state else self._max_slots
+            limit = self._limit
+            if h and w and (h, w) != self._shape:
+                limit = slots_for(self._storage.frame_bytes(h, w), self._memory_bytes, self._min_slots, self._max_slots)
+                if self._state:
+                    limit = min(limit, len(self._state))
+            if not self._state:
+                return limit if h and w else self._max_slots
+            return self._state[:limit].count(SlotState.FREE)
 
     def lent(self) -> int:
         """Slots lent to the remote writer now (WRITING)."""

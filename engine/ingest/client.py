@@ -56,12 +56,18 @@ class IngestHub:
         self._run = janitor.new_run()  # names the run's segments and folder, and their owner (janitor.py)
         # before anything of the run exists: whatever ends the engine, its watcher then removes what it made
         self._watcher = janitor.Watcher(self._run, multiprocessing.util.get_temp_dir())
-        # a short ipc path (107 bytes at most): the system temp folder, not a long TMPDIR or stream ids
-        self._dir = tempfile.mkdtemp(prefix=f"vidar-{self._run}-", dir=janitor.TMP_DIR)
+        try:
+            # a short ipc path (107 bytes at most): the system temp folder, not a long TMPDIR or stream ids
+            self._dir = tempfile.mkdtemp(prefix=f"vidar-{self._run}-",
+                                         dir=janitor.TMP_DIR if os.path.isdir(janitor.TMP_DIR) else None)
+            self._owner = janitor.Owner(self._run, self._dir)  # held for the engine's life: the run is live
+            self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        except BaseException:
+            self._watcher.close()  # it sweeps what was made
+            raise
         self._readers: dict[int, uplink.Reader] = {}  # fd -> each process's uplink (and tests' injected ones)
         self._buf = bytearray(uplink.MAX_MESSAGE)     # the I/O thread's one receive buffer
         self._poller = select.poll()                  # the I/O thread's only
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._inbox: deque = deque()            # ("add" | "remove" | "credit", stream) from other threads
         self.procs = ProcessManager(cfg, self._run, self._dir, cores=cores, on_start=lambda p: self._add_reader(p.up))
         self.leases = Leases(cfg, self._run, self.procs, emit=emit, submit=self._submit)
@@ -246,22 +252,29 @@ class IngestHub:
             return
         self._closing = True
         self._submit(("stop", ""))
-        self._thread.join(2.0)
         t_end = time.monotonic() + timeout
-        self.procs.tell_exit()
-        if not self._thread.is_alive():  # this thread is the poller's only user now
-            self._read_until_exited(t_end)
-        self.procs.close(t_end)
-        self.leases.close()
-        for name in _segments_of(self._run):  # one whose creation failed half-way, or a lease never ended
-            Segment.remove(name)
-        for reader in list(self._readers.values()) + [r for what, r in list(self._inbox) if what == "reader"]:
-            reader.close()  # and a test's uplink the I/O thread never registered
-        self._readers.clear()
-        efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
-        os.close(efd)
-        shutil.rmtree(self._dir, ignore_errors=True)
-        self._watcher.close()
+        # the I/O thread owns the processes' sockets: it is waited for (a process start in progress can take
+        # seconds), so that nothing below runs beside it
+        self._thread.join(max(2.0, timeout))
+        if self._thread.is_alive():
+            log.warning("ingest: the I/O thread did not stop within %.1f s: closing beside it", max(2.0, timeout))
+        try:
+            self.procs.tell_exit()
+            if not self._thread.is_alive():  # this thread is the poller's only user now
+                self._read_until_exited(max(t_end, time.monotonic() + 1.0))
+            self.procs.close(max(t_end, time.monotonic() + 1.0))
+            self.leases.close()
+            for name in _segments_of(self._run):  # one whose creation failed half-way, or a lease never ended
+                Segment.remove(name)
+            for reader in list(self._readers.values()) + [r for what, r in list(self._inbox) if what == "reader"]:
+                reader.close()  # and a test's uplink the I/O thread never registered
+            self._readers.clear()
+            efd, self._efd = self._efd, -1  # a late _submit writes to -1: an OSError it ignores, never a reused fd
+            os.close(efd)
+        finally:  # whatever failed above, the run's names go and the watcher ends
+            self._owner.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._watcher.close()
 
     def _read_until_exited(self, t_end: float) -> None:
         """Read and let go of what the processes still send until they have exited (or `t_end`): the I/O thread has

@@ -3,7 +3,10 @@ engines that died before it left, removed when it starts.
 
 Names carry their owner: a run is `<token>p<pid>s<start>`, the engine's pid and its start time in clock ticks
 since boot (/proc/<pid>/stat field 22), so `vidar-<run>-...` in /dev/shm (segments) and /tmp (the run's folder)
-tell a live owner from a dead one even after its pid was reused.
+tell a live owner from a dead one even after its pid was reused. A pid means nothing in another pid namespace
+(two containers sharing /dev/shm or /tmp), so a live engine also holds a lock (flock) on a file of each place for
+its whole life, `/dev/shm/vidar-<run>.lock` and `/tmp/vidar-<run>-*/lock`: a name whose owner's lock is held is
+never removed, whatever its pid says. A lock goes with its holder, however it ends.
 
 At death: a small watcher process (`python -m engine.ingest.janitor`), started before the engine makes anything,
 blocks reading a pipe only the engine writes to. The pipe's end of file comes when the engine has exited,
@@ -19,6 +22,7 @@ and its watcher remove names, and the watcher only once the engine is gone.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
@@ -33,7 +37,7 @@ log = logging.getLogger("vidar.ingest")
 
 SHM_DIR = "/dev/shm"
 TMP_DIR = "/tmp"
-_RUN = re.compile(r"^vidar-([0-9a-f]{8})p(\d+)s(\d+)-")
+_RUN = re.compile(r"^vidar-([0-9a-f]{8}p(\d+)s(\d+))[-.]")
 
 
 def start_ticks(pid: int) -> Optional[int]:
@@ -50,26 +54,56 @@ def new_run() -> str:
     return f"{secrets.token_hex(4)}p{os.getpid()}s{start_ticks(os.getpid()) or 0}"
 
 
-def _owner_alive(name: str) -> Optional[bool]:
-    """Whether the engine that named `name` runs; None for a name that is not a run's."""
-    m = _RUN.match(name)
-    if m is None:
-        return None
-    return start_ticks(int(m.group(2))) == int(m.group(3))
+def _locked(path: str) -> bool:
+    """Whether someone holds the lock on `path` (a live engine: Owner)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell: kept
+    finally:
+        os.close(fd)
+    return False
+
+
+def _run_alive(run: str, pid: int, ticks: int, shm_dir: str, tmp_dir: str) -> bool:
+    if start_ticks(pid) == ticks:
+        return True
+    locks = [os.path.join(shm_dir, f"vidar-{run}.lock")]
+    try:
+        locks += [os.path.join(tmp_dir, n, "lock") for n in os.listdir(tmp_dir) if n.startswith(f"vidar-{run}-")]
+    except OSError:
+        pass
+    return any(_locked(p) for p in locks)
 
 
 def sweep_dead(shm_dir: str = SHM_DIR, tmp_dir: str = TMP_DIR) -> list[str]:
-    """Remove what engines that are gone left (their runs' segments and folders); the names removed."""
-    removed = []
+    """Remove what engines that are gone left (their runs' segments, lock files and folders); the names removed.
+    A run is gone when its owner's pid does not run with its start time and nobody holds its locks."""
+    found: dict[str, list[str]] = {}
+    owners: dict[str, tuple[int, int]] = {}
     for folder in (shm_dir, tmp_dir):
         try:
             names = os.listdir(folder)
         except OSError:
             continue
         for name in names:
-            if _owner_alive(name) is False:
-                _remove(os.path.join(folder, name))
-                removed.append(os.path.join(folder, name))
+            m = _RUN.match(name)
+            if m is not None:
+                found.setdefault(m.group(1), []).append(os.path.join(folder, name))
+                owners[m.group(1)] = (int(m.group(2)), int(m.group(3)))
+    removed = []
+    for run, paths in found.items():
+        if _run_alive(run, *owners[run], shm_dir, tmp_dir):
+            continue
+        for path in paths:
+            if _remove(path):
+                removed.append(path)
     return removed
 
 
@@ -77,23 +111,50 @@ def sweep_run(run: str, shm_dir: str = SHM_DIR, tmp_dir: str = TMP_DIR) -> list[
     removed = []
     for folder in (shm_dir, tmp_dir):
         try:
-            names = [n for n in os.listdir(folder) if n.startswith(f"vidar-{run}-")]
+            names = [n for n in os.listdir(folder) if n.startswith((f"vidar-{run}-", f"vidar-{run}."))]
         except OSError:
             continue
         for name in names:
-            _remove(os.path.join(folder, name))
-            removed.append(os.path.join(folder, name))
+            if _remove(os.path.join(folder, name)):
+                removed.append(os.path.join(folder, name))
     return removed
 
 
-def _remove(path: str) -> None:
+class Owner:
+    """The locks a live engine holds on its run (see the module's docstring); released by close() or its end."""
+
+    def __init__(self, run: str, run_dir: str, shm_dir: str = SHM_DIR):
+        self._shm_lock = os.path.join(shm_dir, f"vidar-{run}.lock")
+        self._fds: list[int] = []
+        try:
+            for path in (self._shm_lock, os.path.join(run_dir, "lock")):
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                self._fds.append(fd)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, []
+        if fds:
+            _remove(self._shm_lock)
+        for fd in fds:
+            os.close(fd)
+
+
+def _remove(path: str) -> bool:
+    """Whether `path` is gone now (another user's entry in a sticky folder stays)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     else:
         try:
             os.unlink(path)
-        except OSError:
+        except FileNotFoundError:
             pass
+        except OSError:
+            return False
+    return not os.path.lexists(path)
 
 
 class Watcher:

@@ -136,9 +136,14 @@ class Leases:
         frame = seg.array[slot]
         for ring, m in zip(lease.fanout, metas):
             try:
-                ring.write(m, frame)
+                ring.write(m, frame, wait=False)
             except SourceError as err:  # a size its ring cannot hold: the stream fails, as a thread's would
                 self.fail(lease, err.reason)
+                return
+            except Exception as err:  # noqa: BLE001 -- out of memory for a slot, say: this stream's failure, as
+                # in a thread (RingGroup), never the I/O thread's, which is every stream's
+                log.exception("stream %s: copying a frame into pool %s's ring failed", lease.stream, ring.pool)
+                self.fail(lease, f"internal error: {type(err).__name__}: {err}")
                 return
 
     def _lend(self, lease: Lease) -> list[int]:
@@ -147,7 +152,8 @@ class Leases:
         process waits for credit instead: back-pressure reaches the decoder, and no frame is lost)."""
         most = None
         if lease.fanout and lease.cfg.mode != "live":
-            most = min(r.free_slots() for r in lease.fanout) - lease.ring.lent()
+            h, w = (lease.segment.h, lease.segment.w) if lease.segment is not None else (0, 0)
+            most = min(r.free_slots(h, w) for r in lease.fanout) - lease.ring.lent()
         return lease.ring.lend(self.cfg.ingest.live_credit, most=most)
 
     def _event(self, lease: Lease, kind: str, reason: str) -> None:

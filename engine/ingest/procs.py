@@ -31,8 +31,9 @@ log = logging.getLogger("vidar.ingest")
 TEST_IMPORTS: list[str] = []
 
 _PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
-#: how often the I/O thread checks its processes (client.IngestHub._loop)
-_CHECK_EVERY_S = 0.05
+#: a gap between two checks of the processes (every 50 ms, client.IngestHub._loop) longer than this (or than a
+#: quarter of hang_after_s) is the engine stalled, not its processes silent
+_STALL_S = 0.5
 
 
 def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
@@ -150,13 +151,21 @@ class ProcessManager:
         and a process that looks hung has what already waits in its uplink read (`drain`) before it is judged: a
         heartbeat waiting there is not its fault. A stall of the engine is never blamed on a process."""
         ic = self.cfg.ingest
-        stalled = now - self._last_check - _CHECK_EVERY_S if self._last_check else 0.0
+        gap = now - self._last_check if self._last_check else 0.0
         self._last_check = now
+        # Only a real stall is credited: a gap far beyond the loop's 50 ms (a busy I/O thread's 100-300 ms gaps
+        # are not: crediting those would let a silent process live many times hang_after_s)
+        stalled = gap if gap > max(_STALL_S, ic.hang_after_s / 4) else 0.0
+        if stalled:
+            log.warning("ingest: the engine did not check its processes for %.1f s (stopped or starved): that time "
+                        "is not counted against their heartbeats", gap)
         gone = []
         for proc in list(self.procs.values()):
-            if stalled > _CHECK_EVERY_S:
+            if stalled:
                 proc.last_beat += stalled
                 proc.started_at += stalled
+            if proc.pidfd is None:
+                proc.open_pidfd()  # could not be had at start (out of descriptors): tried again
             if proc.ready and proc.pending:
                 self.flush(proc)
             if not proc.alive():
@@ -164,8 +173,9 @@ class ProcessManager:
                 continue
             if proc.kill_reason or not proc.hung(now, ic.hang_after_s, ic.start_timeout_s):
                 continue
+            t_drain = time.monotonic()
             drain(proc)
-            why = proc.hung(time.monotonic(), ic.hang_after_s, ic.start_timeout_s)
+            why = proc.hung(now + (time.monotonic() - t_drain), ic.hang_after_s, ic.start_timeout_s)
             if why:
                 proc.kill_reason = why
                 log.error("ingest: %s %s: killing it", proc.label, why)

@@ -58,22 +58,36 @@ class IngestProcess:
     # "exit code 255" for every process it started while they run on (and the handle's kill() is then a no-op).
     # A pidfd also names this process only, never a later one that reused its pid.
     def open_pidfd(self) -> None:
+        """Its pidfd, when one can be had (retried by the caller while None: out of descriptors, say)."""
+        if self.pidfd is not None:
+            return
         try:
-            self.pidfd = os.pidfd_open(self.handle.pid)
-        except (OSError, AttributeError):  # it exited already (ESRCH), or no pidfd here: the handle decides
-            self.pidfd = None
+            fd = os.pidfd_open(self.handle.pid)
+        except (OSError, AttributeError):  # it exited already (ESRCH), no descriptor left, or no pidfd here
+            return
+        if self.handle.exitcode is not None:  # it exited before the open: the pid may name another process now
+            os.close(fd)
+            return
+        self.pidfd = fd
+
+    def _exited(self, timeout_s: float) -> bool:
+        # poll, not select: select refuses descriptors of 1024 and above, which an engine with many cameras and
+        # clients (vidar run raises the descriptor limit) reaches
+        p = select.poll()
+        p.register(self.pidfd, select.POLLIN)
+        return bool(p.poll(max(0, int(timeout_s * 1000))))
 
     def alive(self) -> bool:
         if self.pidfd is None:
             return self.handle.is_alive()
-        return not select.select([self.pidfd], [], [], 0)[0]
+        return not self._exited(0)
 
     def wait(self, timeout: float) -> bool:
         """Until it has exited or `timeout` s passed; whether it has exited."""
         if self.pidfd is None:
             self.handle.join(timeout)
             return not self.handle.is_alive()
-        return bool(select.select([self.pidfd], [], [], max(0.0, timeout))[0])
+        return self._exited(timeout)
 
     def kill(self) -> None:
         if self.pidfd is None:
@@ -95,10 +109,10 @@ class IngestProcess:
         return exit_reason(code)
 
     def forget(self) -> None:
-        """Its pidfd closed (it has exited and been handled)."""
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
+        """Its pidfd closed (it has exited and been handled). Taken before it is closed: never closed twice."""
+        fd, self.pidfd = self.pidfd, None
+        if fd is not None:
+            os.close(fd)
 
     @property
     def label(self) -> str:

@@ -12,59 +12,15 @@ from collections import Counter
 import psutil
 import pytest
 
-from engine.core.engine import Engine
 from engine.errors import ConfigError
-from engine.ingest import client as ingest_client
 from engine.ingest import leases as ingest_leases
 from engine.ingest import procs as ingest_procs
 from engine.ingest import slots as ingest_slots
 from engine.ingest import uplink, wire
-from engine.models.noop import NoopRunner
 from engine.testing.wait import wait_for
 from tests.support.collector import Collector
-from tests.support.engines import engine_config
-
-SYN = "synthetic://shapes?size=64x48&fps=60"
-
-
-def _engine(streams, endpoint, per_frame_s=0.001, **sections):
-    # nice 0: a heartbeat late by a second under a loaded suite would count as a hang (the nice test sets its own)
-    ingest = {"processes": 2, "heartbeat_s": 0.1, "hang_after_s": 1.0, "nice": 0, **sections.pop("ingest", {})}
-    cfg = engine_config(streams, endpoint, ingest=ingest, budget=sections.pop("budget", {"latency_ms": 1000}),
-                        **sections)
-    return Engine(cfg, models={"classify": NoopRunner(per_frame_s=per_frame_s)})
-
-
-def _stop(eng):
-    """Stop the engine and check that no ingest process is left (by the pids it started)."""
-    pids = list(eng.ingest.pids().values()) if eng.ingest else []
-    run = eng.ingest._run if eng.ingest else None
-    eng.stop()
-    assert run is None or not [n for n in os.listdir(ingest_slots.SHM_DIR) if n.startswith(f"vidar-{run}-")]
-    assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                    for p in pids), 10), "an ingest process outlived the engine"
-
-
-def _results(msgs, stream):
-    return [m for m in msgs if m.get("stream") == stream and m["type"] != "event"]
-
-
-def _events(msgs, stream):
-    return [(m["kind"], m.get("reason", "")) for m in msgs if m.get("stream") == stream and m["type"] == "event"]
-
-
-def _balanced(eng):
-    for e in eng.table.snapshot():
-        for name in e.pools:
-            s = eng.pools[name].acct.snapshot(e.id)
-            assert s.ingested == s.published + sum(s.dropped.values()) + sum(s.failed.values()) + s.in_flight, s
-    assert eng.audit() == {}
-
-
-def _proc_of(eng, stream):
-    label = eng.streams[stream].ingest.process  # "ingest-1 (pid 1234)"
-    return int(label.rsplit("pid ", 1)[1].rstrip(")")) if "pid" in label else None
-
+from tests.support.ingest import SYN, balanced as _balanced, events_of as _events, ingest_engine as _engine
+from tests.support.ingest import proc_of as _proc_of, results_of as _results, stop_engine as _stop
 
 @pytest.mark.timeout(60)
 def test_offline_and_live_streams_through_processes(endpoint):

@@ -24,7 +24,8 @@ import zmq
 from engine.ingest import janitor, slots as ingest_slots, wire
 from engine.ingest import process as ingest_process
 from engine.testing.wait import wait_for
-from tests.ingest.test_client import SYN, _engine, _events, _proc_of, _results, _stop
+from tests.support.ingest import SYN, events_of as _events, ingest_engine as _engine, proc_of as _proc_of
+from tests.support.ingest import stop_engine as _stop
 from tests.support.collector import Collector
 from tests.support.net import free_port
 
@@ -299,6 +300,7 @@ def test_a_hang_is_judged_on_time_the_engine_was_there_to_read():
         proc = IngestProcess(0, 0, SimpleNamespace(pid=1), None, None, ready=True)
         proc.last_beat = now - beat_ago
         proc.alive = lambda: True
+        proc.open_pidfd = lambda: None
         proc.kill = lambda: killed.append(proc)
         pm.procs, pm._last_check = {0: proc}, now - last_check_ago
         return pm, proc, now
@@ -314,6 +316,15 @@ def test_a_hang_is_judged_on_time_the_engine_was_there_to_read():
     pm, proc, now = manager(last_check_ago=0.05, beat_ago=2.5)  # silent while the engine read: hung
     pm.check(now, drain=lambda p: None)
     assert killed == [proc] and proc.kill_reason.startswith("hung")
+
+    # a busy I/O thread (checks 0.3 s apart, not a stall) still finds a silent process within hang_after_s + a gap
+    pm, proc, now = manager(last_check_ago=0.0, beat_ago=0.0)
+    killed.clear()
+    t = now
+    while not killed and t - now < 5.0:
+        t += 0.3
+        pm.check(t, drain=lambda p: None)
+    assert killed == [proc] and t - now <= 1.0 + 0.3 + 1e-9, t - now
 
 
 @pytest.mark.timeout(60)
@@ -442,3 +453,107 @@ def test_a_running_process_told_to_attach_a_path_opens_nothing_and_its_stream_go
         assert wait_for(lambda: eng.pools["classify"].acct.snapshot("a").published > published + 30, 15)
         assert target.read_bytes() == bytes(48 * 64 * 3 * 4) and os.stat(target).st_mtime_ns == mtime
         assert proc.alive() and eng.stream_counters()["ingest"]["restarts"] == 0
+
+
+def test_a_process_is_watched_through_a_pidfd_numbered_past_1024():
+    """A pidfd of 1024 or above (an engine with many cameras and clients: vidar run raises the descriptor limit)
+    is watched with poll, not select (which refuses it: ValueError in the I/O thread was the engine's death)."""
+    import resource
+    from types import SimpleNamespace
+
+    from engine.ingest.supervisor import IngestProcess
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1600:
+        pytest.skip(f"the hard descriptor limit ({hard}) is below 1600")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1600), hard))
+    child = subprocess.Popen(["sleep", "30"])
+    fd = None
+    try:
+        first = os.pidfd_open(child.pid)
+        fd = os.dup2(first, 1500)
+        os.close(first)
+        proc = IngestProcess(0, 0, SimpleNamespace(pid=child.pid, exitcode=None), None, None, pidfd=fd)
+        assert proc.alive() and not proc.wait(0.05)
+        proc.kill()
+        assert proc.wait(5) and not proc.alive()
+        proc.forget()
+        fd = None
+    finally:
+        child.kill()
+        child.wait(5)
+        if fd is not None:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_copy_into_another_pool_s_ring_that_fails_fails_that_stream_only():
+    """The fan-out's copy (ingest-io) raising what a thread's copy would (out of memory for a slot): the stream
+    fails with the reason; nothing escapes into the I/O thread (which would be every stream's end)."""
+    from types import SimpleNamespace
+
+    from engine.ingest.leases import Leases
+
+    class _Broken:
+        pool = "sam2"
+
+        def write(self, *a, **k):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    failed = []
+    leases = Leases.__new__(Leases)
+    leases.fail = lambda lease, reason: failed.append(reason)
+    lease = SimpleNamespace(stream="a", segment=SimpleNamespace(array=np.zeros((2, 4, 4, 3), np.uint8)),
+                            fanout=(_Broken(),))
+    leases._fan_out(lease, 0, [object()])
+    assert failed and "can't allocate memory" in failed[0]
+
+
+def test_room_for_the_fan_out_is_counted_at_the_new_size_and_a_full_ring_never_waits():
+    """After a size change the other pool's ring reports its room at the slots it will have at that size (it
+    resizes at its next write), so an offline stream is not lent slots that the copy would wait for; and a copy
+    that finds no room anyway (wait=False) is dropped and counted at once, never waited for."""
+    import math as _math
+
+    from engine.frames.accounting import Accounting
+    from engine.frames.lifecycle import FrameMeta
+    from engine.frames.ring import FrameRing
+
+    acct = Accounting("sam2")
+    ring = FrameRing("cam", live=False, accounting=acct, memory_bytes=4 * 16 * 16 * 3, min_slots=1, max_slots=4,
+                     max_frame_pixels=10 ** 6)
+    try:
+        for seq in range(2):  # two 16x16 frames held (slots 0 and 1), two free
+            assert ring.write(FrameMeta("cam", seq, 0.0, time.time(), deadline=_math.inf),
+                              np.zeros((16, 16, 3), np.uint8), wait=False)
+        assert ring.free_slots(16, 16) == 2
+        assert ring.free_slots(32, 16) == 0  # at 32x16 the ring has 2 slots, both held
+        t0 = time.monotonic()
+        assert ring.write(FrameMeta("cam", 2, 0.0, time.time(), deadline=_math.inf),
+                          np.zeros((32, 16, 3), np.uint8), wait=False)
+        assert time.monotonic() - t0 < 0.05
+        assert acct.snapshot("cam").dropped.get("ring_full") == 1
+    finally:
+        ring.close()
+
+
+def test_a_live_engine_s_names_are_never_swept_even_when_its_pid_means_nothing_here(tmp_path):
+    """Two containers sharing /dev/shm or /tmp see each other's pids as absent: a run whose owner holds its lock
+    (janitor.Owner) is kept, whatever its pid says; once the lock is released, it is swept."""
+    shm, tmp = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    tmp.mkdir()
+    run = "0000dddd" + "p999999999s1"  # a pid that does not exist here
+    (shm / f"vidar-{run}-cam-1").write_bytes(b"x")
+    run_dir = tmp / f"vidar-{run}-abcd"
+    run_dir.mkdir()
+    owner = janitor.Owner(run, str(run_dir), shm_dir=str(shm))
+    try:
+        assert janitor.sweep_dead(str(shm), str(tmp)) == []
+        assert sorted(os.listdir(shm)) == [f"vidar-{run}-cam-1", f"vidar-{run}.lock"]
+    finally:
+        os.close(os.open(shm / f"vidar-{run}.lock", os.O_CREAT | os.O_RDONLY))  # kept for the sweep below
+        owner._fds, fds = [], owner._fds
+        for fd in fds:
+            os.close(fd)
+    assert len(janitor.sweep_dead(str(shm), str(tmp))) == 3 and os.listdir(shm) == [] and os.listdir(tmp) == []

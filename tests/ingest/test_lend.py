@@ -234,7 +234,8 @@ def test_an_offline_stream_feeding_several_pools_is_lent_only_what_every_ring_ha
         other.reserve_for(H, W)
         leases = Leases.__new__(Leases)
         leases.cfg = SimpleNamespace(ingest=SimpleNamespace(live_credit=2))
-        lease = SimpleNamespace(ring=first, fanout=(other,), cfg=SimpleNamespace(mode="offline"))
+        lease = SimpleNamespace(ring=first, fanout=(other,), cfg=SimpleNamespace(mode="offline"),
+                                segment=SimpleNamespace(h=H, w=W))
         lent = leases._lend(lease)
         assert len(lent) == 2  # the other ring's two free slots, not the first ring's four
         assert leases._lend(lease) == []  # both lent: nothing more until the other ring frees one
