@@ -29,7 +29,8 @@ def stop_engine(eng):
     pids = list(eng.ingest.pids().values()) if eng.ingest else []
     run = eng.ingest._run if eng.ingest else None
     eng.stop()
-    assert run is None or not [n for n in os.listdir(ingest_slots.SHM_DIR) if n.startswith(f"vidar-{run}-")]
+    assert run is None or not [n for n in os.listdir(ingest_slots.SHM_DIR) if n.startswith((f"vidar-{run}-",
+                                                                                           f"vidar-{run}."))]
     assert wait_for(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                     for p in pids), 10), "an ingest process outlived the engine"
 
