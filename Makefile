@@ -3,7 +3,9 @@
 #   make test   the whole test suite (installs the RTSP test server's and the browser tests' Debian
 #               packages if missing: GStreamer, chromium, chromium-driver)
 #   make bench  benchmarks (not part of make test); results in benchmarks/RESULTS.md
-#               (bench_host.py: ingest threads vs processes side by side, the GIL share with py-spy, installed by it)
+#               (bench_host.py: ingest threads vs processes side by side, the GIL share with py-spy, installed by it;
+#               bench_peers.py: vidar beside Roboflow Inference and Ultralytics on the same RTSP cameras, ~45 min,
+#               the peers in .venv-peers by scripts/install-peers.sh)
 #   make soak   SOAK_MINUTES (default 30) of 4 streams under faults; fails if RSS/fds/threads trend up
 #   make docs   the documentation site into site/ (regenerates the config reference and the benchmark plots;
 #               SCREENSHOT=1 also refreshes the live view's screenshot, see make screenshot)
@@ -49,6 +51,7 @@ bench: $(VENV)/.test
 	$(PY) benchmarks/bench_view.py
 	$(PY) benchmarks/bench_cluster.py
 	$(PY) benchmarks/bench_host.py --gil
+	bash scripts/install-peers.sh && $(PY) benchmarks/bench_peers.py --plot docs/img/bench_peers.png
 
 soak: $(VENV)/.test
 	bash scripts/install-rtsp-deps.sh
