@@ -77,6 +77,7 @@ class Lease:
     removing: bool = False
     unplaced_since: Optional[float] = None  # no process could be started for it: retried
     unplaced_tries: int = 0
+    reconnects_before: int = 0  # the stream's reconnects counted before its current process (and its deaths)
     segment_retry: Optional[tuple[int, int, float, float]] = None  # (h, w, since, next try): no fd for a segment
     retry_at: float = 0.0
     fanout: tuple[FrameRing, ...] = ()  # the other pools' rings: each committed frame is copied into them here

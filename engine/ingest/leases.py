@@ -171,7 +171,8 @@ class Leases:
         if msg.final and msg.end_reason == "stopped" and not (lease.removing or lease.ring.closed):
             self._stopped_unasked(lease)
             return
-        r.total_frames, r.reconnects = msg.total_frames, max(r.reconnects, msg.reconnects)
+        # a restarted process counts its stream's reconnects from 0: added to those of its earlier processes
+        r.total_frames, r.reconnects = msg.total_frames, lease.reconnects_before + msg.reconnects
         r.source.decode_errors = msg.decode_errors
         if msg.decode_device:
             r.source.decode_device = msg.decode_device
@@ -323,6 +324,7 @@ class Leases:
         lease.gen = next(self._gens)
         lease.assign_gen = lease.gen
         lease.dropped_seen = lease.expired_seen = 0
+        lease.reconnects_before = lease.remote.reconnects  # what this stream's earlier processes counted
         lease.ring.reclaim()
         ic, src = self.cfg, self.cfg.source
         cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),

@@ -187,6 +187,7 @@ class ProcessManager:
         self.procs.pop(proc.idx, None)
         proc.cmd.close(0)
         proc.handle.join(0)
+        _close_handle(proc)
         proc.forget()
 
     def tell_exit(self) -> None:
@@ -206,6 +207,7 @@ class ProcessManager:
                 proc.wait(2.0)
             proc.handle.join(0.1)
             proc.cmd.close(0)
+            _close_handle(proc)
             proc.forget()
         self.procs.clear()
         self._ctx.term()
@@ -216,6 +218,17 @@ class ProcessManager:
     def describe(self) -> list[dict]:
         return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated}
                 for p in list(self.procs.values())]
+
+
+def _close_handle(proc: IngestProcess) -> None:
+    """multiprocessing's handle lets go of its two pipes to the forkserver now, not at the next full garbage
+    collection (a dead process and its uplink's reader refer to each other: the soak saw 2 pipes a death pile
+    up for 25 minutes); the reader's back-reference goes too."""
+    proc.up.owner = None
+    try:
+        proc.handle.close()
+    except ValueError:  # still running (a kill that has not landed yet): its pipes go with the collection
+        pass
 
 
 def _child_main(*args) -> None:

@@ -557,3 +557,54 @@ def test_a_live_engine_s_names_are_never_swept_even_when_its_pid_means_nothing_h
         for fd in fds:
             os.close(fd)
     assert len(janitor.sweep_dead(str(shm), str(tmp))) == 3 and os.listdir(shm) == [] and os.listdir(tmp) == []
+
+
+@pytest.mark.timeout(90)
+def test_a_dead_process_leaves_no_descriptor_behind_in_the_engine(endpoint):
+    """Each ingest process that dies is let go of at once: its handle's pipes to the forkserver are closed when it
+    is reaped, not at the next full garbage collection (which a long-running engine may not run for many minutes:
+    the soak saw 2 pipes a death pile up). Three kills, the collector off: the engine holds no more pipes after."""
+    import gc
+
+    def pipes():
+        out = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                out += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+            except OSError:
+                pass
+        return out
+
+    eng = _engine([{"id": "a", "url": SYN}], endpoint, ingest={"processes": 1})
+    gc.disable()
+    try:
+        eng.start()
+        assert wait_for(lambda: eng.streams["a"].ingest.seq > 10, 30)
+        before = pipes()
+        for n in range(3):
+            pid = _proc_of(eng, "a")
+            os.kill(pid, signal.SIGKILL)
+            assert wait_for(lambda: _proc_of(eng, "a") not in (None, pid) and
+                            eng.streams["a"].ingest.state == "running", 10), eng.describe()
+        assert eng.streams["a"].ingest.reconnects == 3
+        assert wait_for(lambda: pipes() <= before, 5), (before, pipes())
+    finally:
+        gc.enable()
+        _stop(eng)
+
+
+def test_a_restarted_stream_s_reconnects_add_to_those_of_its_earlier_processes():
+    """A new process counts its stream's reconnects from 0: the stream's count is what its earlier processes counted
+    (their deaths included) plus the new one's, never the larger of the two."""
+    from types import SimpleNamespace
+
+    from engine.ingest.leases import Leases
+
+    leases = Leases.__new__(Leases)
+    remote = SimpleNamespace(reconnects=3, failed=False, state="running", end_reason="", total_frames=None, seq=0,
+                             source=SimpleNamespace(decode_errors=0, decode_device=None))
+    lease = SimpleNamespace(remote=remote, reconnects_before=3, next_seq=0, removing=False,
+                            ring=SimpleNamespace(closed=False))
+    msg = wire.StreamState("a", 9, "running", False, "", None, 2, 0, 10, 0)
+    leases._state(lease, msg)
+    assert remote.reconnects == 5
