@@ -207,8 +207,7 @@ class ProcessManager:
                 proc.wait(2.0)
             proc.handle.join(0.1)
             proc.cmd.close(0)
-            _close_handle(proc)
-            proc.forget()
+            proc.forget()  # its handle stays open: its exit code is still read (Process.close forbids that)
         self.procs.clear()
         self._ctx.term()
 
