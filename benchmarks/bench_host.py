@@ -1,17 +1,19 @@
 """The host side alone: frames/s from ingest through scheduling to publish, CPU per frame by role, the core's GIL.
 
 The engine runs in-process with the null pool (`models.noop`, `per_frame_s: 0`: no model, no pixels read) on
-synthetic sources; a subscriber (engine.publish.client.Subscriber) drains every result in its own process (its
-msgpack/ZeroMQ work is not the engine's, as in a deployment) and checks that each stream's seqs increase. Over
-a timed window after a warm-up: frames/s offered, ingested, published, dropped by reason (the pool's ledger),
-CPU seconds per second of the whole engine (its process plus every ingest process it started), frames published
-per CPU-second ("per core": load distorts it less than frames/s), the null pool's mean batch, the machine's load.
+synthetic sources or real H.264 (`--source`); a subscriber (engine.publish.client.Subscriber) drains every result
+in its own process (its msgpack/ZeroMQ work is not the engine's, as in a deployment) and checks that each
+stream's seqs increase. Over a timed window after a warm-up: frames/s offered, ingested, published, dropped by
+reason (the pool's ledger), CPU seconds per second of the whole engine (its process plus every ingest process it
+started), frames published per CPU-second ("per core": load distorts it less than frames/s), the null pool's
+mean batch, the machine's load.
 
 CPU per published frame by role (issue 33 item 9), from psutil: in the engine process by thread name (ingest =
-the `source-*` threads, core = `engine-core`, workers, output, publisher, native = unnamed threads, i.e.
-ZeroMQ's I/O threads, ingest_io = the core's side of the ingest processes, main, other); with ingest processes,
-`ingest` is the CPU of every process below the engine (psutil children, recursive) summed, less the
-subscriber, multiprocessing's resource tracker and forkserver (`aux`). Each process's share is in the JSON.
+the `source-*` threads and FFmpeg's decoder threads, core = `engine-core`, workers, output, publisher, native =
+other unnamed threads, i.e. ZeroMQ's I/O threads, ingest_io = the core's side of the ingest processes, main,
+other); with ingest processes, `ingest` is the CPU of every process below the engine (psutil children,
+recursive) summed, less the subscriber, multiprocessing's resource tracker and forkserver (`aux`). Each
+process's share is in the JSON.
 
 The crossing (issue 33's "ingest to the core's scheduler"): the scheduler's `add` is wrapped in the engine
 process; each frame's `time.monotonic()` there minus its write stamp (`FrameMeta.t_written` where the tree has
@@ -31,13 +33,32 @@ stack only for the thread holding the GIL at a sample (py-spy reads CPython 3.11
 its time (0.46 measured against 0.49 of a core). Kept out of the timing rows: py-spy's own CPU (in each
 record) competes for the same 2 cores, so those rows' throughput is lower.
 
+Sources (`--source`):
+  synthetic  (the default, what the bench_host rows in RESULTS.md measured) synthetic://shapes frames rendered by
+             the ingest: no demux, decode or colour conversion, so the host is measured without what a camera
+             costs (48 x 240p60 published 2,878 of 2,880 here, where real RTSP cameras got 0.4 of that: issue 42)
+  h264       what a camera costs: one clip per frame size and rate, encoded at the start of the run with
+             benchmarks/peers/clips.py (bench_peers.py's recipe: testsrc2 with noise, libx264 veryfast
+             zerolatency, a keyframe every 60 frames, no B-frames; `--clip-s` seconds) into a temporary folder in
+             memory (/dev/shm, a tmpfs: no disk read in the way; removed at the end); every stream is a
+             `loop: true` file stream of it, so PyAV demuxes, decodes and converts every packet to RGB in the
+             ingest: an ingest process with `ingest.processes`, as an RTSP stream (engine/core/stream_table.py
+             `_in_process` sends every stream that decodes on the CPU there), live streams paced by the ingest's
+             _Pacer from the frames' pts (capture time = when a frame was due). Not a camera in two ways: no
+             socket or RTP depacketizing, and the decoder's threading is the file source's, which may differ
+             from a live network stream's (streams/pyav.py: FileSource against NetworkSource). In the threads
+             mode FFmpeg's decoder threads (they name themselves `av:<codec>:...`) count as ingest, not native.
+             The JSON goes to bench_host_h264.json unless `--out` says otherwise.
+
 Scenarios, each in its own subprocess with a time box; all of them run, then all again (`--repeats`):
-  raw      the synthetic source alone (render), + the ring's copy into one slot, + the copy with 8 streams'
+  raw      the source alone (synthetic: render; h264: demux + decode + RGB conversion of the clip, looped), + the
+           ring's copy into one slot, + the copy with 8 streams'
            working set: the engine's overhead per frame is its CPU per frame minus the last
   live     8 -> 16 -> 32 -> 48 -> 64 x 320x240 @ 60 (the no-collapse curve), 8 and 48 x 1280x720 @ 60,
            16 x 320x180 @ 250 (small frames at a high rate); budget 5 s and the ladder off, so the null pool
            never drops for deadline: what is measured is the host
-  offline  4 endless synthetic streams in offline mode (no pacing, back-pressure): frames/s at full speed
+  offline  4 endless streams (synthetic, or the clip looped) in offline mode (no pacing, back-pressure): frames/s
+           at full speed
 The JSON is rewritten after every scenario (a hang loses only the scenario it hit); its `comparison` holds the
 per-scenario medians side by side, `targets` issue 33's targets per mode and `curve` the no-collapse check.
 
@@ -47,6 +68,7 @@ in us per frame) and `idle` (every thread's wall time, waits included: where the
 
     python benchmarks/bench_host.py --modes threads,processes --gil   # ~10 min on 2 cores
     python benchmarks/bench_host.py --quick --modes threads            # ~1 min, one run each, short windows
+    python benchmarks/bench_host.py --source h264 --modes processes    # real decode: what a camera costs
     python benchmarks/bench_host.py --profile  # needs py-spy (scripts/install-bench-deps.sh installs it)
 Another checkout: run this file with that checkout first on PYTHONPATH (the JSON says which `engine` ran).
 """
@@ -70,15 +92,18 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 if importlib.util.find_spec("engine") is None:  # not on PYTHONPATH: this file's own checkout
     sys.path.insert(0, str(ROOT))
 
 SIZES = {"720p": (1280, 720), "240p": (320, 240), "180p": (320, 180)}
+SOURCES = ("synthetic", "h264")
+CLIP_S = 10  # seconds of the h264 source's clip, looped: a reopen per pass is noise, and 720p60 encodes in ~15 s
 RAW_VARIANTS = (("render", 1, False), ("render_copy", 1, True), ("render_copy_x8", 8, True))
 PROFILED = [("live", 48, "240p"), ("live", 8, "720p"), ("live", 48, "720p")]
 SPY_MODES = {"gil": ["--gil"], "idle": ["--idle"]}
@@ -100,12 +125,26 @@ TARGETS = {
                         (">= 1,000 published/s", "published_fps", ">=", 1000)],
     f"live {SMALL[0]}x{SMALL[1]}@{SMALL[2]}": [("published/offered >= 0.9", "published_over_offered", ">=", 0.9)],
 }
-COLLAPSE_TOLERANCE = 0.03  # "falls": below the best earlier count by more than this (run-to-run noise here)
 
 
 def thread_group(name: Optional[str]) -> str:
     """The engine's threads by role, from the names it gives them; unnamed ones are native (ZeroMQ's I/O)."""
     return "native" if name is None else next((g for prefix, g in GROUPS if name.startswith(prefix)), "other")
+
+
+def native_group(comm: str) -> str:
+    """A thread Python did not start, by the name the kernel holds for it: FFmpeg's decoder threads name
+    themselves `av:<codec>:<kind><n>` (`av:h264:df0`): with ingest threads they decode a source thread's
+    stream, so they are ingest; the rest (ZeroMQ's `ZMQbg/*`) native."""
+    return "ingest" if comm.startswith("av:") else "native"
+
+
+def thread_comm(tid: int) -> str:
+    """This process's thread `tid`'s kernel name ('' once it is gone)."""
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def process_role(cmdline: str, parent_is_engine: bool) -> str:
@@ -191,8 +230,11 @@ class SubscriberProcess:
 def engine_tree(sc: dict, endpoint: str) -> dict:
     w, h = SIZES[sc["size"]]
     mode = "live" if sc["kind"] == "live" else "offline"
-    streams = [{"id": f"s{i}", "url": f"synthetic://shapes?size={w}x{h}&fps={sc['fps']}&seed={i}", "mode": mode}
-               for i in range(sc["streams"])]
+    if sc.get("source", "synthetic") == "h264":  # every stream the same clip, looped (h264_clips made it)
+        streams = [{"id": f"s{i}", "url": sc["clip"], "mode": mode, "loop": True} for i in range(sc["streams"])]
+    else:
+        streams = [{"id": f"s{i}", "url": f"synthetic://shapes?size={w}x{h}&fps={sc['fps']}&seed={i}", "mode": mode}
+                   for i in range(sc["streams"])]
     tree = {"streams": streams, "max_streams": max(64, sc["streams"]),
             "models": {"noop": {"per_frame_s": 0, "max_batch": sc["max_batch"], "workers": 1}},
             # 5 s (default): a frame the host delivers up to a second late (the pacer's catch-up bound) still
@@ -289,7 +331,9 @@ def sample(eng, sub: SubscriberProcess) -> dict:
     names = {t.native_id: t.name for t in threading.enumerate()}
     groups: Counter = Counter()
     for th in psutil.Process().threads():
-        groups[thread_group(names.get(th.id))] += th.user_time + th.system_time
+        name = names.get(th.id)
+        group = thread_group(name) if name is not None else native_group(thread_comm(th.id))
+        groups[group] += th.user_time + th.system_time
     sizes = [m.batch_sizes for m in eng.pools["noop"].slots.models]  # NoopRunner's record of its batches
     t, cpu = os.times(), psutil.cpu_times()
     return {"t": time.monotonic(), "sample_s": time.monotonic() - t0, "cpu_s": t.user + t.system, "groups": groups,
@@ -394,8 +438,9 @@ def run_engine(sc: dict) -> dict:
            "stop_s": round(time.monotonic() - t_stop, 2),
            "audit": eng.audit(),  # a leaked or double-counted frame shows here
            "order_errors": final["disorder"]}
-    # the subscriber's count is its own (not the ledger's): what was counted published arrived, in order
-    out["verified"] = (not out["audit"] and not out["order_errors"]
+    # the subscriber's count is its own (not the ledger's): what was counted published arrived, in order; and
+    # every stream got frames in (a stream whose source failed to open publishes nothing, and 0 >= 0 holds)
+    out["verified"] = (not out["audit"] and not out["order_errors"] and first_frames_s is not None
                        and out["received_fps"] >= 0.8 * out["published_fps"] - 5)
     return out
 
@@ -413,16 +458,31 @@ def wait_first_frames(eng, streams: int, timeout_s: float) -> Optional[float]:
     return None
 
 
-def raw_rate(size: str, sources: int, copy: bool, window_s: float) -> dict:
-    """`sources` synthetic sources through `frames()` (what ingest threads iterate) in turn, on one thread;
-    with `copy`, each frame then copied into the next of 16 torch-allocated slots of its source, as the ring
-    does (x8: the working set of 8 streams, whose backgrounds and slots do not fit the caches, so a copy costs
-    more than into one hot slot; 48 streams' would take seconds to set up)."""
+def looped_clip(stream_id: str, path: str) -> Iterator:
+    """The clip's frames through the engine's file source (PyAV: demux, decode, RGB), from the start again at its
+    end, as a `loop: true` stream reads it (the ingest reopens the file)."""
+    from streams.pyav import FileSource
+    while True:
+        src = FileSource(stream_id, path)
+        src.live = True  # as the engine sets it for a live stream (a file decodes alike either way)
+        try:
+            yield from src.frames()
+        finally:
+            src.close()
+
+
+def raw_rate(size: str, sources: int, copy: bool, window_s: float, clip: Optional[str] = None) -> dict:
+    """`sources` sources through `frames()` (what ingest threads iterate) in turn, on one thread (FFmpeg's own
+    threads aside: their CPU is this process's, counted); synthetic ones, or with `clip` the file source on it
+    (demux, decode, RGB conversion); with `copy`, each frame then copied into the next of 16 torch-allocated
+    slots of its source, as the ring does (x8: the working set of 8 streams, whose backgrounds and slots do not
+    fit the caches, so a copy costs more than into one hot slot; 48 streams' would take seconds to set up)."""
     import numpy as np
     import torch
     from streams.synthetic import SyntheticSource
     w, h = SIZES[size]
-    its = [SyntheticSource(f"raw{i}", f"synthetic://shapes?size={w}x{h}&fps=60&seed={i}").frames()
+    its = [looped_clip(f"raw{i}", clip) if clip else
+           SyntheticSource(f"raw{i}", f"synthetic://shapes?size={w}x{h}&fps=60&seed={i}").frames()
            for i in range(sources)]
     slots = [[torch.empty((h, w, 3), dtype=torch.uint8).numpy() for _ in range(16 if copy else 0)] for _ in its]
     def one_round(k: int) -> None:
@@ -444,7 +504,8 @@ def raw_rate(size: str, sources: int, copy: bool, window_s: float) -> dict:
 
 def run_raw(sc: dict) -> dict:
     """The source alone, single-threaded (CPU-s per frame is its cost)."""
-    out: dict[str, Any] = {label: raw_rate(sc["size"], n, copy, sc["window_s"]) for label, n, copy in RAW_VARIANTS}
+    out: dict[str, Any] = {label: raw_rate(sc["size"], n, copy, sc["window_s"], sc.get("clip"))
+                           for label, n, copy in RAW_VARIANTS}
     out["copy_us_per_frame"] = out["render_copy"]["cpu_us_per_frame"] - out["render"]["cpu_us_per_frame"]
     return {**out, "load1": [round(os.getloadavg()[0], 2)]}
 
@@ -453,7 +514,7 @@ def run_raw(sc: dict) -> dict:
 def scenarios(args) -> tuple[list[dict], list[dict]]:
     """(raw scenarios, engine scenarios without a mode). --quick: the target scenarios and the curve's ends."""
     base = {"warmup_s": args.warmup, "window_s": args.window, "max_batch": args.max_batch, "fps": 60,
-            "budget_ms": args.budget_ms}
+            "budget_ms": args.budget_ms, "source": args.source}
     curve = (CURVE[0], 48) if args.quick else CURVE
     live = [(n, "240p", 60) for n in curve] + [(8, "720p", 60)] * (not args.quick) + [(48, "720p", 60), SMALL]
     offline = ("240p",) if args.quick else ("720p", "240p")
@@ -581,28 +642,106 @@ def main_bench(args) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     raw_scs, engine_scs = scenarios(args)
-    print(HEADER)
-    raw: dict[str, dict] = {}
-    for rep in range(args.repeats):  # all scenarios, then all again: the runs of one see different moments
-        for sc in raw_scs:
-            res = run_child(sc, sc["window_s"] * len(RAW_VARIANTS) + args.box)
-            raw[sc["size"]] = res if "error" not in res else raw.get(sc["size"], {})
-            add_row(record, out, {"scenario": name_of(sc), "mode": "-", "run": rep + 1, "pass": "timing",
-                                  "spec": sc, **res})
-        for sc in engine_scs:
-            for mode in (modes if rep % 2 == 0 else modes[::-1]):  # alternated: neither mode always goes first
-                msc = with_mode(sc, mode, args.processes, key)
-                res = run_child(msc, sc["warmup_s"] + sc["window_s"] + args.box)
-                add_overhead(res, raw.get(sc["size"]))
-                add_row(record, out, {"scenario": name_of(sc), "mode": mode, "run": rep + 1, "pass": "timing",
-                                      "spec": msc, **res})
-    if spy:
-        gil_pass(args, record, out, engine_scs, modes, key, spy)
+    with h264_clips(raw_scs + engine_scs, args.clip_s) as source:  # made before any timing, removed after all
+        record["source"] = source
+        print(f"source: {describe_source(source)}", flush=True)
+        print(HEADER)
+        raw: dict[str, dict] = {}
+        for rep in range(args.repeats):  # all scenarios, then all again: the runs of one see different moments
+            for sc in raw_scs:
+                res = run_child(sc, sc["window_s"] * len(RAW_VARIANTS) + args.box)
+                raw[sc["size"]] = res if "error" not in res else raw.get(sc["size"], {})
+                add_row(record, out, {"scenario": name_of(sc), "mode": "-", "run": rep + 1, "pass": "timing",
+                                      "spec": sc, **res})
+            for sc in engine_scs:
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):  # alternated: neither mode always goes first
+                    msc = with_mode(sc, mode, args.processes, key)
+                    res = run_child(msc, sc["warmup_s"] + sc["window_s"] + args.box)
+                    add_overhead(res, raw.get(sc["size"]))
+                    add_row(record, out, {"scenario": name_of(sc), "mode": mode, "run": rep + 1, "pass": "timing",
+                                          "spec": msc, **res})
+        if spy:
+            gil_pass(args, record, out, engine_scs, modes, key, spy)
     summarize(record)
     record["complete"] = True
     out.write_text(json.dumps(record, indent=2, default=str))
     print_report(record)
     print(f"\nwrote {out}")
+
+
+def clip_folder() -> Path:
+    """A new temporary folder in memory where the machine has one (/dev/shm, a tmpfs): the clips are then read
+    from RAM, as a camera's packets come from a socket, never from a disk that could be slow or busy."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="bench_host_clips_", dir=shm if shm.is_dir() and os.access(shm, os.W_OK)
+                                 else None))
+
+
+def filesystem_of(path: Path) -> Optional[str]:
+    """The type of the filesystem `path` is on (tmpfs, ext4, ...), from /proc/mounts' longest matching mount."""
+    best, kind, p = "", None, str(path)
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3 or len(parts[1]) <= len(best):
+            continue
+        if p == parts[1] or p.startswith(parts[1].rstrip("/") + "/"):
+            best, kind = parts[1], parts[2]
+    return kind
+
+
+def clips_module():
+    return peers_module("clips")
+
+
+def peers_module(name: str):
+    """benchmarks/peers/<name>.py, by its path: this file is also loaded by path (tests, other checkouts), so
+    benchmarks/ need not be on sys.path."""
+    key = f"bench_host_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / "peers" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # before it runs: its dataclass looks its own module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@contextmanager
+def h264_clips(scs: list[dict], seconds: int) -> Iterator[dict]:
+    """For the h264 source: one clip per (size, fps) the scenarios use, encoded into clip_folder() before any
+    scenario runs (the encoder's CPU stays out of every window), each scenario's `clip` set to its path; the
+    folder removed on the way out, whatever happened. Yields what the JSON records as `source`."""
+    if not any(sc.get("source") == "h264" for sc in scs):
+        yield {"kind": "synthetic"}
+        return
+    clips, folder = clips_module(), clip_folder()
+    try:
+        made: dict[str, dict] = {}
+        for size, fps in dict.fromkeys((sc["size"], sc["fps"]) for sc in scs):
+            t0 = time.monotonic()
+            path = clips.make_clip(clips.ClipSpec(*SIZES[size], fps, seconds), folder)
+            encode_s = round(time.monotonic() - t0, 1)
+            made[f"{size}@{fps}"] = {**clips.describe(path), "path": str(path), "encode_s": encode_s}
+        for sc in scs:
+            sc["clip"] = made[f"{sc['size']}@{sc['fps']}"]["path"]
+        yield {"kind": "h264", "dir": str(folder), "filesystem": filesystem_of(folder), "clip_s": seconds,
+               "x264": clips.X264, "clips": made}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def describe_source(source: dict) -> str:
+    """One line on what the streams were, printed above the rows and the report."""
+    if source["kind"] != "h264":
+        return f"{source['kind']} (rendered by the ingest: no demux, decode or colour conversion)"
+    clips = ", ".join(f"{k} {c['frames']} frames {c['bytes_per_s'] * 8 / 1e3:.0f} kb/s (encoded in {c['encode_s']} s)"
+                      for k, c in source["clips"].items())
+    return (f"h264 clips looped through PyAV (demux, decode, RGB), in {source['dir']} ({source['filesystem']}): "
+            f"{clips or 'none needed'}")
 
 
 def gil_pass(args, record: dict, out: Path, engine_scs: list[dict], modes: list[str], key: bool, spy: str) -> None:
@@ -701,20 +840,17 @@ def meets(rows: list[dict], key: str, op: str, bound: float) -> tuple[bool, Opti
 
 def curve(comparison: dict) -> dict:
     """Published/s (median) per stream count of 240p60, per mode; `no_collapse`: no count publishes less than
-    the best earlier one by more than COLLAPSE_TOLERANCE."""
+    the best earlier one by more than peers/curve.py's COLLAPSE_TOLERANCE."""
     out = {}
     for mode in MODES:
         points = [(n, comparison.get(f"live {n}x240p@60", {}).get(mode, {}).get("published_fps")) for n in CURVE]
         points = [(n, v) for n, v in points if v is not None]
         if len(points) < 2:
             continue
-        best, falls = 0.0, []
-        for n, v in points:
-            if v < best * (1 - COLLAPSE_TOLERANCE):
-                falls.append(n)
-            best = max(best, v)
+        check = peers_module("curve")
+        falls = check.falls_at(points)
         out[mode] = {"published_fps": {n: round(v) for n, v in points}, "falls_at": falls, "no_collapse": not falls,
-                     "tolerance": COLLAPSE_TOLERANCE}
+                     "tolerance": check.COLLAPSE_TOLERANCE}
     return out
 
 
@@ -736,7 +872,8 @@ def print_row(r: dict) -> None:
         x, c1, c8 = (r[k] for k, _, _ in RAW_VARIANTS)
         print(f"{head}{'':>8}{x['fps']:>9.0f}{'':>8}{1.0:>6.2f}{x['frames_per_cpu_s']:>11.0f}"
               f"{x['cpu_us_per_frame']:>9.0f}"
-              f"   render + copy: {c1['cpu_us_per_frame']:.0f} us/frame, x8 streams {c8['cpu_us_per_frame']:.0f}",
+              f"   {'decode' if r['spec'].get('source') == 'h264' else 'render'} + copy: "
+              f"{c1['cpu_us_per_frame']:.0f} us/frame, x8 streams {c8['cpu_us_per_frame']:.0f}",
               flush=True)
     else:
         drops = " ".join(f"{k}={v:.3g}" for k, v in sorted(r["dropped_fps"].items())) or "0"
@@ -752,12 +889,14 @@ def print_row(r: dict) -> None:
 def print_report(record: dict) -> None:
     print(f"\nengine: {record['engine_file']} (commit {record['commit']}); {record['cpus']} CPUs "
           f"({record['cpu_model']}); skipped: {record['skipped_modes'] or 'nothing'}")
+    print(f"source: {describe_source(record.get('source') or {'kind': 'synthetic'})}")
     print("\nmedians per scenario and mode; CPU us per published frame by role; x = crossing, ingest write -> "
           "scheduler (* the core's commit stamp: a lower bound), split (processes) into hop = write -> the core's "
           "commit and core = commit -> scheduler;\ncap = capture -> scheduler (an upper bound); "
           "GIL = the engine process's GIL-held share (--gil runs); P/T = published/s, processes / threads; "
-          "pub/adm = published / admitted (ingested less the frames dropped at the source before any copy)")
-    print(f"{'scenario':<18}{'mode':<10}{'n':>2}{'publ/s':>8}{'pub/ing':>8}{'pub/adm':>8}{'cpu us':>7}"
+          "pub/adm = published / admitted (ingested less the frames dropped at the source before any copy); "
+          "pub/off = published / offered (live)")
+    print(f"{'scenario':<18}{'mode':<10}{'n':>2}{'publ/s':>8}{'pub/off':>8}{'pub/ing':>8}{'pub/adm':>8}{'cpu us':>7}"
           + "".join(f"{c[:9]:>10}" for c in ROLE_COLS)
           + f"{'x p50ms':>8}{'x p99ms':>9}{'hop p99':>8}{'core p99':>9}{'cap p99':>8}{'GIL':>6}{'P/T':>6}")
     for name, entry in record["comparison"].items():
@@ -769,13 +908,16 @@ def print_report(record: dict) -> None:
             ratio = fmt(entry.get("published_ratio"), ".2f") if mode == "processes" else ""
             star = "*" if mode == "processes" and e["crossing_from"] != ["t_written"] else " "
             print(f"{name:<18}{mode:<10}{e['runs']:>2}{fmt(e['published_fps']):>8}"
-                  f"{fmt(e['published_over_ingested'], '.3f'):>8}{fmt(e.get('published_over_admitted'), '.3f'):>8}"
+                  f"{fmt(e['published_over_offered'], '.3f'):>8}{fmt(e['published_over_ingested'], '.3f'):>8}"
+                  f"{fmt(e.get('published_over_admitted'), '.3f'):>8}"
                   f"{fmt(e['cpu_us_per_published']):>7}"
                   + "".join(f"{fmt(roles.get(c)):>10}" for c in ROLE_COLS)
                   + f"{fmt(e['crossing_p50_ms'], '.2f'):>8}{fmt(e['crossing_p99_ms'], '.2f'):>8}{star}"
                   f"{fmt(e['hop_p99_ms'], '.2f'):>8}{fmt(e['in_core_p99_ms'], '.2f'):>9}"
                   f"{fmt(e['capture_to_scheduler_p99_ms'], '.2f'):>8}{fmt(e['gil_held_share'], '.2f'):>6}{ratio:>6}")
-    print("\nissue 33's targets (met: every run)")
+    src = (record.get("source") or {}).get("kind", "synthetic")
+    print("\nissue 33's targets (met: every run)" + ("" if src == "synthetic" else
+                                                     f"; set for the synthetic source, read here on {src}"))
     for t in record["targets"]:
         verdict = {True: "MET", False: "not met", None: "undetermined"}[t["met"]]
         bound = f"  (a lower bound; capture -> scheduler worst {fmt(t['upper_worst'], '.3g')})" if "bound" in t else ""
@@ -856,22 +998,31 @@ def main_profile(args) -> None:
     if spy is None:
         raise SystemExit("bench_host --profile needs py-spy: bash scripts/install-bench-deps.sh "
                          "(or pip install py-spy)")
-    base = {"warmup_s": args.warmup, "window_s": max(args.window, 10.0), "max_batch": args.max_batch, "fps": 60}
+    base = {"warmup_s": args.warmup, "window_s": max(args.window, 10.0), "max_batch": args.max_batch, "fps": 60,
+            "source": args.source}
     record = {"date": now_utc(), **engine_info(), "profiles": []}
     out = Path(args.out).with_name(Path(args.out).stem + "_profile.json")
-    for (kind, n, size), mode in [(p, m) for p in PROFILED for m in SPY_MODES]:
-        prof = profile_one({**base, "kind": kind, "streams": n, "size": size}, spy, args.rate, mode)
-        record["profiles"].append(prof)
-        out.write_text(json.dumps(record, indent=2, default=str))
-        print(f"\n== {prof['scenario']} ({mode}, GIL held {prof.get('gil_held_share', '-')}): "
-              f"{prof.get('error') or prof['by_group']}")
-        shown: Counter = Counter()
-        for item in prof.get("top_self", []):  # gil: the top 15 lines; idle: the top 4 of each group but ingest
-            if (mode == "gil" and sum(shown.values()) < 15) or (mode == "idle" and item["group"] != "ingest"
-                                                                 and shown[item["group"]] < 4):
-                shown[item["group"]] += 1
-                print(f"  {item[prof['unit']]:>8}  {item['group']:<9} {item['where']}")
+    scs = [{**base, "kind": kind, "streams": n, "size": size} for kind, n, size in PROFILED]
+    with h264_clips(scs, args.clip_s) as source:
+        record["source"] = source
+        for sc, mode in [(sc, m) for sc in scs for m in SPY_MODES]:
+            profile_one_printed(record, out, sc, spy, args.rate, mode)
     print(f"\nwrote {out}")
+
+
+def profile_one_printed(record: dict, out: Path, sc: dict, spy: str, rate: int, mode: str) -> None:
+    """One profile, added to the record (rewritten at once) and its top lines printed."""
+    prof = profile_one(sc, spy, rate, mode)
+    record["profiles"].append(prof)
+    out.write_text(json.dumps(record, indent=2, default=str))
+    print(f"\n== {prof['scenario']} ({mode}, GIL held {prof.get('gil_held_share', '-')}): "
+          f"{prof.get('error') or prof['by_group']}")
+    shown: Counter = Counter()
+    for item in prof.get("top_self", []):  # gil: the top 15 lines; idle: the top 4 of each group but ingest
+        if (mode == "gil" and sum(shown.values()) < 15) or (mode == "idle" and item["group"] != "ingest"
+                                                             and shown[item["group"]] < 4):
+            shown[item["group"]] += 1
+            print(f"  {item[prof['unit']]:>8}  {item['group']:<9} {item['where']}")
 
 
 def main() -> None:
@@ -892,7 +1043,15 @@ def main() -> None:
                     help="the streams' latency budget (default 5000: the host measured, not deadlines)")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second (default 250)")
     ap.add_argument("--box", type=float, default=60.0, help="seconds a scenario may take beyond warm-up + window")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_host.json"))
+    ap.add_argument("--source", choices=SOURCES, default="synthetic",
+                    help="synthetic (default: rendered frames, the host alone) or h264 (a libx264 clip per size and "
+                         "rate in memory, looped through PyAV's demux, decode and RGB conversion: what a camera "
+                         "costs)")
+    ap.add_argument("--clip-s", type=int, default=CLIP_S,
+                    help=f"--source h264: the clip's length, s (default {CLIP_S})")
+    ap.add_argument("--out", default=None,
+                    help="the JSON (default benchmarks/results/bench_host.json; with --source h264 "
+                         "bench_host_h264.json, so the synthetic source's results are not overwritten)")
     ap.add_argument("--only", default="", help="run only the scenarios whose name contains this, e.g. 'live 48x'")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--subscriber", help=argparse.SUPPRESS)
@@ -906,6 +1065,11 @@ def main() -> None:
     if args.processes != "auto" and not (args.processes.isdigit() and int(args.processes) > 0):
         raise SystemExit(f"--processes: 'auto' or a positive count, got {args.processes!r}")
     args.processes = args.processes if args.processes == "auto" else int(args.processes)
+    if args.clip_s < 1:
+        raise SystemExit(f"--clip-s: at least 1 s, got {args.clip_s}")
+    if args.out is None:
+        args.out = str(ROOT / "benchmarks" / "results" / ("bench_host.json" if args.source == "synthetic"
+                                                          else f"bench_host_{args.source}.json"))
     if args.quick:
         args.repeats, args.warmup, args.window = 1, 1.0, 1.5
     (main_profile if args.profile else main_bench)(args)

@@ -4,8 +4,11 @@ and Ultralytics (LoadStreams), a model that does nothing, live streams from a re
 The cameras: Debian's GStreamer RTSP server (benchmarks/peers/rtsp_server.py, /usr/bin/python3) serving
 pre-encoded H.264 clips as they are (benchmarks/peers/clips.py: testsrc2 with noise, keyint 60, zerolatency),
 paced in real time, over RTSP/TCP; the same mounts for every system. Cases: 16 and 48 x 320x240@60, 8 x
-1280x720@30. Systems, one at a time on the machine, interleaved (every system of a case back to back, the order
-reversed every other repeat):
+1280x720@30 by default; `--cases` takes any `<N>x<res><fps>` (res: 180p, 240p, 360p, 720p, 1080p), e.g. the
+no-collapse curve 8x240p60,16x240p60,32x240p60,48x240p60,64x240p60 (the server gets as many mounts per clip
+as the largest case that reads it; a curve's delivered fps by stream count is checked for falls). Systems, one
+at a time on the machine, interleaved (every system of a case back to back, the order reversed every other
+repeat):
   vidar               `vidar run CONFIG`: one live stream per URL, `models: {noop: {per_frame_s: 0}}` (no model),
                       free ports, everything else default; results read by a subscriber process
                       (benchmarks/peers/vidar_sink.py) as a user would
@@ -21,19 +24,23 @@ between two marks. Per run and, medians over repeats, per cell:
   delivered fps       distinct frames the sink counted in the window / its length; and over N x fps offered
   latency p50/p99     vidar: subscriber receive - t_capture; Inference: sink time - frame_timestamp (taken before
                       grab()); Ultralytics: none travels with a frame (n/m)
+  age p50/p99         vidar: a frame's age by the camera's clock, estimated from its pts (vidar_sink.py): what
+                      latency would be if t_capture were the moment the server sent the frame
   CPU cores           the system's whole process tree (vidar: engine, ingest processes, multiprocessing's
                       helpers), user+system s / window; vidar's subscriber apart (shown as +x)
   CPU ms per frame    (tree + subscriber) / delivered frames
   intake fps          frames taken off the network, delivered or not (vidar's seq, Inference's frame_id)
   lag behind live     the bytes waiting in the RTSP connections (`ss`: reader Recv-Q + server Send-Q) over
                       the clip's byte rate = seconds of video not yet read, per stream, at the window's start
-                      and end, and its growth per minute. No system's timestamps see this backlog (vidar stamps
-                      t_capture when a packet leaves the demuxer); vidar's sink also reports `age` from pts.
+                      and end, and its growth per minute (also in MB); no system's own timestamps see this
+                      backlog (vidar stamps t_capture when a packet leaves the demuxer), vidar's age does.
 A run is verified when every stream delivered frames in the window, no frame came twice or out of order, and
 the system shut down cleanly. The JSON (rewritten after every run) keeps every run; the table is printed.
 
     python benchmarks/bench_peers.py                       # everything, ~45 min; needs a quiet machine
     python benchmarks/bench_peers.py --cases 16x240p60 --window-s 10 --warmup-s 3 --repeats 1   # a smoke run
+    python benchmarks/bench_peers.py --cases 8x240p60,16x240p60,32x240p60,48x240p60,64x240p60 \
+        --systems vidar,inference_default                 # no collapse as cameras are added
 Not part of `make test`; `make bench` runs it (scripts/install-peers.sh first).
 """
 
@@ -69,7 +76,9 @@ CLIP_SECONDS = 180
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="all", help=f"comma-separated, of {', '.join(measure.CASES)} (default all)")
+    ap.add_argument("--cases", default="all",
+                    help=f"comma-separated, of {', '.join(measure.CASES)} (default all) or any <N>x<res><fps> of "
+                         f"{', '.join(measure.RESOLUTIONS)}, e.g. 64x240p60")
     ap.add_argument("--systems", default="all", help=f"comma-separated, of {', '.join(measure.SYSTEMS)} (default all)")
     ap.add_argument("--window-s", type=float, default=60.0, help="the measured window (default 60)")
     ap.add_argument("--warmup-s", type=float, default=10.0, help="after every stream delivered, before the window")
@@ -84,7 +93,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--peers-python", type=Path, default=PEERS_PY, help="the peers' venv python")
     args = ap.parse_args(argv)
     try:
-        args.cases = measure.parse_choice(args.cases, measure.CASES, "cases")
+        args.cases = measure.parse_cases(args.cases)
         args.systems = measure.parse_choice(args.systems, measure.SYSTEMS, "systems")
     except ValueError as err:
         ap.error(str(err))
@@ -110,6 +119,8 @@ def vidar_config(urls: list[str], budget_ms: Optional[float], ports: dict[str, i
         "metrics": {"port": ports["metrics"]},
         "view": {"port": ports["view"]},
     }
+    if len(urls) > 64:  # vidar's default max_streams: left alone up to it, raised only where a case needs more
+        cfg["max_streams"] = len(urls)
     if budget_ms is not None:
         cfg["budget"] = {"latency_ms": budget_ms}
     return cfg
@@ -119,7 +130,7 @@ def server_argv(port: int, clips: dict[str, Path], cases: list[str]) -> list[str
     """The RTSP server's command line: for each clip, as many mounts as the largest case that reads it."""
     need: dict[str, int] = {}
     for name in cases:
-        case = measure.CASES[name]
+        case = measure.case(name)
         need[case.prefix] = max(need.get(case.prefix, 0), case.streams)
     argv = [SERVER_PY, str(HERE / "peers" / "rtsp_server.py"), "--port", str(port)]
     for prefix, n in need.items():
@@ -217,7 +228,7 @@ def shut_down(run: Launched) -> dict[str, Any]:
 
 
 def run_one(system: str, case_name: str, rep: int, ctx: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    case = measure.CASES[case_name]
+    case = measure.case(case_name)
     urls = [f"rtsp://127.0.0.1:{ctx['rtsp_port']}/{case.prefix}_{i}" for i in range(case.streams)]
     base = ctx["logs"] / f"{system}_{case_name}_r{rep}"
     rec: dict[str, Any] = {"system": system, "case": case_name, "rep": rep, "start": now_utc(), "notes": []}
@@ -306,8 +317,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_ready(args)
     logs = args.logs
     logs.mkdir(parents=True, exist_ok=True)
-    specs = {measure.CASES[c].prefix: ClipSpec(measure.CASES[c].width, measure.CASES[c].height,
-                                               measure.CASES[c].fps, CLIP_SECONDS) for c in args.cases}
+    cases = [measure.case(c) for c in args.cases]
+    specs = {c.prefix: ClipSpec(c.width, c.height, c.fps, CLIP_SECONDS) for c in cases}
     clips = {prefix: make_clip(spec, CLIP_DIR) for prefix, spec in specs.items()}
     clip_info = {prefix: describe(path) for prefix, path in clips.items()}
     rtsp_port = free_port()
@@ -331,9 +342,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         record["rtsp_server_exit"] = stop(server, signal.SIGTERM, 10)
     record["cells"] = measure.cells(record["runs"])
     record["ratios"] = measure.ratios(record["cells"])
+    record["curve"] = measure.curve(record["cells"])
     write(record, args.out)
     print()
-    print(measure.format_table(record["cells"], record["ratios"]))
+    print(measure.format_table(record["cells"], record["ratios"], record["curve"]))
     print(f"\nwrote {args.out}")
     if args.plot:
         from peers.plot import plot_cells
@@ -345,11 +357,13 @@ def one_line(rec: dict[str, Any]) -> str:
     if "error" in rec:
         return f"ERROR {rec['error']}"
     s = rec["summary"]
+    age = "" if s.get("age_p99_ms") is None else f", age p99 {s['age_p99_ms']:.1f} ms"
     return (f"{s['delivered_fps']:.0f} fps ({s['fraction_of_offered']:.2f}), p50/p99 "
-            f"{measure.fmt(s['lat_p50_ms'], '.1f')}/{measure.fmt(s['lat_p99_ms'], '.1f')} ms, {s['cpu_cores']:.2f} "
-            f"cores, {measure.fmt(s['cpu_ms_per_frame'], '.2f')} ms/frame, lag {s['lag_s'][0]:.2f} -> "
-            f"{s['lag_s'][1]:.2f} s, start-up {rec['startup_s']} s" + ("" if rec["verified"] else
-                                                                       f"  NOT VERIFIED: {rec['notes']}"))
+            f"{measure.fmt(s['lat_p50_ms'], '.1f')}/{measure.fmt(s['lat_p99_ms'], '.1f')} ms{age}, "
+            f"{s['cpu_cores']:.2f} cores, {measure.fmt(s['cpu_ms_per_frame'], '.2f')} ms/frame, "
+            f"lag {s['lag_s'][0]:.2f} -> {s['lag_s'][1]:.2f} s ({s['lag_growth_s_per_min']:+.1f} s/min, "
+            f"{s['backlog_growth_mb_per_min']:+.2f} MB/min), start-up {rec['startup_s']} s"
+            + ("" if rec["verified"] else f"  NOT VERIFIED: {rec['notes']}"))
 
 
 def write(record: dict[str, Any], path: Path) -> None:

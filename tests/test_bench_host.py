@@ -1,7 +1,9 @@
 """benchmarks/bench_host.py's accounting (issue 33 item 9): CPU per published frame by role (ingest threads, or
 ingest processes summed), the crossing probe, the GIL share read from py-spy's output, the targets and the
 no-collapse curve, and the processes mode skipped (not crashed on) in a tree without it. One test runs the
-benchmark's real scenario child (an engine with the null pool and a subscriber process) for about a second."""
+benchmark's real scenario child (an engine with the null pool and a subscriber process) for about a second; two
+run the h264 source (issue 42 item 2: a libx264 clip in memory, looped through PyAV's demux, decode and RGB
+conversion), its raw decode and its `--quick` path on 2 streams."""
 
 from __future__ import annotations
 
@@ -45,6 +47,13 @@ def test_threads_get_their_role(bh, name, role):
      "ingest")])
 def test_processes_below_the_engine_get_their_role(bh, cmd, parent_is_engine, role):
     assert bh.process_role(cmd, parent_is_engine) == role
+
+
+@pytest.mark.parametrize("comm, role", [("av:h264:df0", "ingest"), ("av:h264:sw1", "ingest"),
+                                        ("ZMQbg/IO/0", "native"), ("python", "native"), ("", "native")])
+def test_threads_python_did_not_start_go_by_their_kernel_name(bh, comm, role):
+    """FFmpeg's decoder threads (threads mode, h264 source) are the ingest's work, not ZeroMQ's."""
+    assert bh.native_group(comm) == role
 
 
 def _sample(t, cpu_s, groups, procs, ingested, published):
@@ -134,7 +143,7 @@ def test_a_crossing_measured_from_the_cores_commit_is_only_a_bound(bh, commit_p9
 def _args(tmp_path, **kw):
     base = dict(quick=True, profile=False, modes="threads,processes", processes="auto", gil=False, repeats=1,
                 warmup=1.0, window=1.5, max_batch=8, budget_ms=5000.0, rate=100, box=30.0,
-                out=str(tmp_path / "bh.json"), only="no scenario has this name")
+                out=str(tmp_path / "bh.json"), only="no scenario has this name", source="synthetic", clip_s=2)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -177,3 +186,49 @@ def test_a_real_scenario_reports_every_role_and_the_crossing(bh, mode):
         assert in_process > 0 and not [p for p in res["processes"] if p["role"] == "ingest"]
     else:
         assert in_process == 0 and [p for p in res["processes"] if p["role"] == "ingest"]
+
+
+def test_the_h264_source_loops_one_clip_per_stream_and_is_removed_afterwards(bh):
+    """Every stream of an h264 scenario is the clip made for its size and rate, `loop: true`, live; the clips'
+    folder is in memory where the machine has /dev/shm and is gone after the block, even when it raised."""
+    scs = [{"kind": "live", "streams": 2, "size": "240p", "fps": 60, "max_batch": 8, "source": "h264"},
+           {"kind": "raw", "streams": 1, "size": "240p", "fps": 60, "window_s": 0.2, "source": "h264"}]
+    with pytest.raises(RuntimeError, match="inside"):
+        with bh.h264_clips(scs, 1) as source:
+            folder = Path(source["dir"])
+            assert source["kind"] == "h264" and list(source["clips"]) == ["240p@60"]  # one clip for both
+            assert scs[0]["clip"] == scs[1]["clip"] and Path(scs[0]["clip"]).parent == folder
+            if Path("/dev/shm").is_dir():
+                assert str(folder).startswith("/dev/shm/") and source["filesystem"] == "tmpfs"
+            tree = bh.engine_tree(scs[0], "tcp://127.0.0.1:1")
+            assert [(s["url"], s["mode"], s["loop"]) for s in tree["streams"]] == [(scs[0]["clip"], "live", True)] * 2
+            raw = bh.run_raw(scs[1])  # the clip's demux + decode + RGB alone, then with the slot copies
+            assert all(raw[k]["fps"] > 0 for k in ("render", "render_copy", "render_copy_x8")), raw
+            raise RuntimeError("inside")
+    assert not folder.exists()
+    with bh.h264_clips([{**scs[0], "source": "synthetic"}], 1) as source:
+        assert source == {"kind": "synthetic"}  # nothing made
+
+
+@pytest.mark.timeout(90)
+def test_the_quick_path_with_the_h264_source_splits_cpu_by_role(bh, tmp_path, monkeypatch, capsys):
+    """`--quick --source h264` cut to one scenario of 2 x 240p60: the streams decode in ingest processes
+    (where the tree has them) as RTSP streams do; the per-role split, published/offered and the source are in
+    the JSON and printed; the clips' folder is gone afterwards. ~10 s on a quiet machine."""
+    mode = "processes" if bh.ingest_key_supported() else "threads"
+    monkeypatch.setattr(bh, "CURVE", (2, 64))  # --quick runs the curve's first count: 2 streams, not 8
+    bh.main_bench(_args(tmp_path, source="h264", clip_s=2, modes=mode, only="live 2x240p@60"))
+    record = json.loads((tmp_path / "bh.json").read_text())
+    assert record["source"]["kind"] == "h264" and not Path(record["source"]["dir"]).exists()
+    (row,) = record["rows"]
+    assert row["spec"]["source"] == "h264" and row["verified"], row
+    assert row["offered_fps"] == 120 and 0 < row["published_over_offered"] <= 1.05
+    roles = row["role_cpu_us_per_published"]
+    assert roles["ingest"] > 0 and roles["core"] > 0, roles
+    ingest_procs = [p for p in row["processes"] if p["role"] == "ingest"]
+    if mode == "processes":  # decoded there, not in the engine process
+        assert ingest_procs and row["thread_cpu_cores"].get("ingest", 0.0) == 0
+    entry = record["comparison"]["live 2x240p@60"][mode]
+    assert entry["published_over_offered"] == row["published_over_offered"] and entry["role_cpu_us_per_published"]
+    out = capsys.readouterr().out
+    assert "source: h264 clips" in out and "pub/off" in out

@@ -1,6 +1,7 @@
 """benchmarks/bench_peers.py's pure parts, on canned numbers: its arguments, the interleaved schedule, what two
 marks and two samples come to (fps, CPU per frame, the lag from the TCP backlog), the medians and the
-vidar/Inference ratios, the RTSP server's mounts and launch line, and a vidar config vidar itself accepts.
+vidar/Inference ratios, any <N>x<res><fps> case and the no-collapse curve over them, a frame's age by the
+camera's clock, the RTSP server's mounts and launch line, and a vidar config vidar itself accepts.
 No peer is installed or run here, no server started (the benchmark is `make bench`'s, not `make test`'s)."""
 
 from __future__ import annotations
@@ -62,6 +63,31 @@ def test_bad_arguments_are_refused_naming_the_choices(bp, capsys, argv, message)
     assert re.search(message, capsys.readouterr().err)
 
 
+def test_any_count_of_a_known_resolution_is_a_case(bp, m):
+    """The issue's no-collapse curve runs as cases of their own; a name is made canonical before duplicates go."""
+    a = bp.parse_args(["--cases", "8x240p60,16x240p60,32x240p60,48x240p60,64x240p60,08x240p60",
+                       "--systems", "vidar,inference_default"])
+    assert a.cases == ["8x240p60", "16x240p60", "32x240p60", "48x240p60", "64x240p60"]
+    c = m.case("64x240p60")
+    assert (c.streams, c.width, c.height, c.fps, c.offered_fps) == (64, 320, 240, 60, 3840)
+    assert c.prefix == m.CASES["48x240p60"].prefix  # one clip and one set of mounts for the whole curve
+    assert (m.case("4x1080p25").width, m.case("4x1080p25").height) == (1920, 1080)
+    assert m.case("16x240p60") is m.CASES["16x240p60"]
+
+
+@pytest.mark.parametrize("name", ["0x240p60", "300x240p60", "8x240p0", "8x240p500", "8x241p60", "8x240", "x240p60",
+                                  "8 x240p60"])
+def test_a_case_out_of_range_or_of_an_unknown_size_is_refused(bp, capsys, name):
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--cases", name])
+    assert re.search(r"--cases: unknown \[.*\]; .* or any <N>x<res><fps> of 180p, 240p", capsys.readouterr().err)
+
+
+def test_the_server_gets_mounts_for_the_largest_case_of_the_curve(bp):
+    argv = bp.server_argv(8554, {"s240p60": Path("/c/240.mp4")}, ["8x240p60", "64x240p60", "32x240p60"])
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--mount"] == ["s240p60:64:/c/240.mp4"]
+
+
 def test_a_short_run_names_its_cases_and_systems_once_in_order(bp):
     a = bp.parse_args(["--cases", "8x720p30,16x240p60,8x720p30", "--systems", "ultralytics,vidar",
                        "--window-s", "10", "--warmup-s", "3", "--repeats", "1"])
@@ -113,7 +139,7 @@ def test_a_window_comes_to_fps_cpu_per_frame_and_lag(m):
     assert out["other_load_cores"] == pytest.approx((16.0 - 12.0 - 0.5 - 0.4) / 10)
     assert out["lag_s"] == [1.0, 16.0] and out["lag_end_s"] == 16.0
     assert out["lag_growth_s_per_min"] == pytest.approx(90.0)
-    assert out["backlog_mb"] == [0.1, 1.6]
+    assert out["backlog_mb"] == [0.1, 1.6] and out["backlog_growth_mb_per_min"] == pytest.approx(9.0)
     assert out["vidar_counters_fps"] == {"vidar_frames_published_total": 110.0}
     assert out["vidar_qos_level_end"] == 1.0
     assert out["lat_p50_ms"] == 5.0 and out["tree_processes_exited"] == []
@@ -154,6 +180,50 @@ def test_cells_are_medians_of_verified_runs_and_the_ratios_pair_like_with_like(m
     assert "1.19+0.05" in vidar and vidar.endswith("(1 run(s) not verified)")  # cores: the tree + subscriber
     ultra = next(line for line in table.splitlines() if "Ultralytics" in line)
     assert ultra.split()[6:8] == ["n/m", "n/m"]  # no latency for a loader without timestamps
+
+
+def test_the_curve_finds_where_delivered_fps_falls_as_cameras_are_added(m):
+    runs = [_run(s, f"{n}x240p60", fps, 1.0) for s, pts in (
+        ("vidar", {8: 480, 16: 955, 32: 1900, 48: 1300, 64: 1500}),
+        ("inference_default", {8: 480, 16: 960, 32: 1890, 48: 2700, 64: 2650})) for n, fps in pts.items()]
+    runs.append(_run("vidar", "8x720p30", 240, 5.0))  # one count of a size: no curve for it
+    runs[-1]["summary"]["lag_growth_s_per_min"] = 31.5
+    cells = m.cells(runs)
+    curve = m.curve(cells)
+    assert list(curve) == ["240p60"]
+    assert curve["240p60"]["vidar"]["falls_at"] == [48, 64]  # 1,500 at 64 is still below 1,900
+    assert curve["240p60"]["inference_default"] == {"delivered_fps": {8: 480, 16: 960, 32: 1890, 48: 2700, 64: 2650},
+                                                    "falls_at": [], "no_collapse": True}  # 1.9 % below: noise
+    table = m.format_table(cells, m.ratios(cells), curve)
+    vidar = next(line for line in table.splitlines() if line.startswith("240p60     vidar defaults"))
+    assert vidar.endswith("8: 480, 16: 955, 32: 1,900, 48: 1,300, 64: 1,500  falls at [48, 64]")
+    row = next(line for line in table.splitlines() if line.startswith("8x720p30"))
+    assert row.split()[-2] == "31.5"  # the lag's growth per minute, the column before `other`
+
+
+def test_the_table_shows_the_age_by_the_cameras_clock_beside_latency(m):
+    run = _run("vidar", "48x240p60", 1200, 1.4, 40.0)
+    run["summary"].update(age_p50_ms=9000.0, age_p99_ms=31000.0)
+    table = m.format_table(m.cells([run]), {})
+    head, _, row = table.splitlines()[:3]
+    assert head.split()[6:10] == ["p50", "ms", "p99", "ms"] and head.split()[10:12] == ["age", "p99"]
+    assert row.split()[6:9] == ["40.0", "120.0", "31000.0"]  # p50, p99, then the age
+
+
+def test_the_age_by_the_cameras_clock_sees_a_backlog_latency_does_not(capsys):
+    """A server sending from t=100 s: frames read at once are as old as their latency; frames that queued in
+    the socket (read later and later, stamped on the way out so latency stays 5 ms) grow older; a new session
+    (pts back to 0, or the stream's `connected` event) starts a new anchor."""
+    sink = _load("bench_sink_clock", ROOT / "benchmarks" / "peers" / "sink.py")
+    clock, start = sink.CameraClock(), 100.0
+    assert clock.age("a", 0.0, 0.005, start + 0.0 + 0.005) == pytest.approx(0.005)
+    assert clock.age("a", 1.0, 0.004, start + 1.0 + 0.004) == pytest.approx(0.004)  # the freshest yet: new anchor
+    assert clock.age("a", 2.0, 0.005, start + 2.0 + 0.505) == pytest.approx(0.505)  # 0.5 s behind the live edge
+    assert clock.age("a", 3.0, 0.005, start + 3.0 + 2.005) == pytest.approx(2.005)
+    assert clock.age("b", 0.0, 0.003, start + 50.0) == pytest.approx(0.003)  # streams apart
+    assert clock.age("a", 0.0, 0.006, start + 60.0) == pytest.approx(0.006)  # pts back: the clip started again
+    clock.new_session("a")
+    assert clock.age("a", 5.0, 0.007, start + 90.0) == pytest.approx(0.007)
 
 
 def test_ss_lines_split_into_reader_and_server_backlog(m):
@@ -199,8 +269,19 @@ def test_the_vidar_config_is_one_vidar_accepts(bp, budget_ms):
     cfg, _ = build_config(json.loads(json.dumps(tree)), cuda_available=False)
     assert len(cfg.streams) == 48 and {s.mode for s in cfg.streams} == {"live"}
     assert cfg.models.noop.per_frame_s == 0 and cfg.models.classify is None
-    assert cfg.budget.latency_ms == (budget_ms or 17.0)  # the default budget stays the default
+    default = type(cfg.budget).model_fields["latency_ms"].default  # whatever vidar's default is: the user's
+    assert cfg.budget.latency_ms == (budget_ms or default)  # the default budget stays the default
     assert (cfg.publish.endpoint, cfg.metrics.port, cfg.view.port) == ("tcp://127.0.0.1:20001", 20003, 20004)
+
+
+@pytest.mark.parametrize("n", [64, 80])
+def test_max_streams_is_raised_only_where_a_case_needs_it(bp, n):
+    from engine.config import build_config
+    ports = {"publish": 20001, "control": 20002, "metrics": 20003, "view": 20004}
+    tree = bp.vidar_config([f"rtsp://127.0.0.1:8554/s240p60_{i}" for i in range(n)], None, ports)
+    assert tree.get("max_streams") == (None if n <= 64 else n)  # vidar's default (64) left alone up to it
+    cfg, _ = build_config(json.loads(json.dumps(tree)), cuda_available=False)
+    assert len(cfg.streams) == n
 
 
 def test_the_sink_tally_counts_distinct_frames_and_says_allseen_once(capsys):

@@ -11,6 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from peers.curve import COLLAPSE_TOLERANCE, falls_at
+
 
 @dataclass(frozen=True)
 class Case:
@@ -30,6 +32,11 @@ class Case:
 
 
 CASES = {"16x240p60": Case(16, 320, 240, 60), "48x240p60": Case(48, 320, 240, 60), "8x720p30": Case(8, 1280, 720, 30)}
+# beside CASES, any <N>x<res><fps> of these sizes is a case (8x240p60 ... 64x240p60: issue 42's no-collapse
+# curve); keyed by height, one size each, so a case's mounts (Case.prefix) are never shared by two sizes
+RESOLUTIONS = {"180p": (320, 180), "240p": (320, 240), "360p": (640, 360), "720p": (1280, 720), "1080p": (1920, 1080)}
+CASE_NAME = re.compile(r"(\d+)x(\d+p)(\d+)")
+MAX_STREAMS, MAX_FPS = 256, 240  # beyond what one machine serves and reads; a typo (480x240p60) is caught
 SYSTEMS = {  # name -> the column's label
     "vidar": "vidar defaults",
     "vidar_b500": "vidar budget 500 ms",
@@ -39,6 +46,42 @@ SYSTEMS = {  # name -> the column's label
 }
 # the ratios vidar / Inference: each vidar setting against the Inference setting of the same intent
 PAIRS = (("vidar", "inference_default"), ("vidar_b500", "inference_tuned"))
+
+
+def case(name: str) -> Case:
+    """A case by its name: one of CASES or any `<N>x<res><fps>` of RESOLUTIONS (ValueError otherwise)."""
+    if name in CASES:
+        return CASES[name]
+    m = CASE_NAME.fullmatch(name)
+    if not m or m.group(2) not in RESOLUTIONS:
+        raise ValueError(f"not a case: {name!r}")
+    n, fps = int(m.group(1)), int(m.group(3))
+    if not (1 <= n <= MAX_STREAMS and 1 <= fps <= MAX_FPS):
+        raise ValueError(f"{name!r}: 1 to {MAX_STREAMS} streams at 1 to {MAX_FPS} fps")
+    return Case(n, *RESOLUTIONS[m.group(2)], fps)
+
+
+def case_name(c: Case) -> str:
+    """The canonical name of a case (`08x240p60` -> `8x240p60`)."""
+    res = next(r for r, size in RESOLUTIONS.items() if size == (c.width, c.height))
+    return f"{c.streams}x{res}{c.fps}"
+
+
+def parse_cases(text: str) -> list[str]:
+    """'16x240p60,64x240p60' -> the canonical names, each one of CASES or any <N>x<res><fps> of RESOLUTIONS
+    ('all': CASES, in their order)."""
+    if text.strip() == "all":
+        return list(CASES)
+    names, unknown = [], []
+    for raw in (s.strip() for s in text.split(",") if s.strip()):
+        try:
+            names.append(case_name(case(raw)))
+        except ValueError:
+            unknown.append(raw)
+    if unknown or not names:
+        raise ValueError(f"--cases: unknown {unknown or text!r}; choose from {', '.join(CASES)} (or all), or any "
+                         f"<N>x<res><fps> of {', '.join(RESOLUTIONS)}, 1 to {MAX_STREAMS} streams, e.g. 64x240p60")
+    return list(dict.fromkeys(names))
 
 
 def parse_choice(text: str, allowed: dict[str, Any], what: str) -> list[str]:
@@ -157,9 +200,11 @@ def backlog(case: Case, b1: dict, b2: dict, dt: float, clip_bytes_per_s: float) 
         return (b["client_recvq_bytes"] + b["server_sendq_bytes"]) / case.streams / clip_bytes_per_s
 
     start, end = lag_s(b1), lag_s(b2)
-    return {"backlog_mb": [round((b["client_recvq_bytes"] + b["server_sendq_bytes"]) / 1e6, 2) for b in (b1, b2)],
+    waiting = [b["client_recvq_bytes"] + b["server_sendq_bytes"] for b in (b1, b2)]
+    return {"backlog_mb": [round(w / 1e6, 2) for w in waiting],
             "lag_s": [round(start, 2), round(end, 2)], "lag_end_s": round(end, 2),
             "lag_growth_s_per_min": round((end - start) / dt * 60, 2),
+            "backlog_growth_mb_per_min": round((waiting[1] - waiting[0]) / dt * 60 / 1e6, 2),
             "connections": b2["conns"]}
 
 
@@ -168,9 +213,9 @@ def median_of(runs: list[dict], key: str) -> Optional[float]:
     return statistics.median(vals) if vals else None
 
 
-CELL_KEYS = ("delivered_fps", "fraction_of_offered", "lat_p50_ms", "lat_p99_ms", "cpu_cores",
-             "subscriber_cpu_cores", "cpu_ms_per_frame", "intake_fps", "lag_end_s", "lag_growth_s_per_min",
-             "other_load_cores")
+CELL_KEYS = ("delivered_fps", "fraction_of_offered", "lat_p50_ms", "lat_p99_ms", "age_p50_ms", "age_p99_ms",
+             "cpu_cores", "subscriber_cpu_cores", "cpu_ms_per_frame", "intake_fps", "lag_end_s", "lag_growth_s_per_min",
+             "backlog_growth_mb_per_min", "other_load_cores")
 
 
 def cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
@@ -188,6 +233,29 @@ def cells(runs: list[dict]) -> dict[str, dict[str, dict]]:
         for cell in by_system.values():
             summaries = cell.pop("runs")
             cell.update({k: median_of(summaries, k) for k in CELL_KEYS}, n=len(summaries))
+    return out
+
+
+def curve(table: dict[str, dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    """The no-collapse check (issue 42: 8 -> 16 -> 32 -> 48 -> 64 cameras): for each frame size and rate run at
+    two or more stream counts, per system, delivered fps by stream count and the counts at which it falls below
+    the best of the smaller ones by more than COLLAPSE_TOLERANCE. {"240p60": {system: {...}}}."""
+    families: dict[str, dict[int, str]] = {}
+    for name in table:
+        c = case(name)
+        families.setdefault(name.split("x", 1)[1], {})[c.streams] = name
+    out: dict[str, dict[str, dict]] = {}
+    for family, by_n in families.items():
+        if len(by_n) < 2:
+            continue
+        for system in SYSTEMS:
+            points = [(n, (table[by_n[n]].get(system) or {}).get("delivered_fps")) for n in sorted(by_n)]
+            points = [(n, v) for n, v in points if v is not None]
+            if len(points) < 2:
+                continue
+            falls = falls_at(points)
+            out.setdefault(family, {})[system] = {"delivered_fps": {n: v for n, v in points}, "falls_at": falls,
+                                                  "no_collapse": not falls}
     return out
 
 
@@ -210,13 +278,17 @@ def fmt(v: Optional[float], spec: str = ",.0f") -> str:
     return "n/m" if v is None else format(v, spec)
 
 
-def format_table(table: dict[str, dict[str, dict]], ratio: dict[str, dict[str, dict]]) -> str:
-    """The human table: one row per cell (medians), then the ratios. `cores`: the system's tree (+ vidar's
-    subscriber); `ms/frame`: both, per delivered frame; `intake`: frames/s taken off the network; `lag s`: video
-    seconds waiting in a stream's TCP connection at the window's end, `lag s/min` its growth; `other`: cores
-    busy on the machine beyond the system, its subscriber and the server (above ~0.1: not a quiet machine)."""
+def format_table(table: dict[str, dict[str, dict]], ratio: dict[str, dict[str, dict]],
+                 collapse: Optional[dict[str, dict[str, dict]]] = None) -> str:
+    """The human table: one row per cell (medians), then the ratios and the no-collapse curve. `p50/p99 ms`:
+    latency from the system's own capture stamp; `age p99`: vidar's frames' age by the camera's clock (the
+    sink's estimate from pts, vidar_sink.py), which a backlog in the socket cannot hide; `cores`: the system's
+    tree (+ vidar's subscriber); `ms/frame`: both, per delivered frame; `intake`: frames/s taken off the network;
+    `lag s`: video seconds waiting in a stream's TCP connection at the window's end, `lag s/min` its growth;
+    `other`: cores busy on the machine beyond the system, its subscriber and the server (above ~0.1: not a
+    quiet machine)."""
     head = (f"{'case':<10} {'system':<33} {'n':>2} {'fps':>7} {'of offer':>8} {'p50 ms':>7} {'p99 ms':>7} "
-            f"{'cores':>11} {'ms/frame':>8} {'intake':>7} {'lag s':>6} {'lag s/min':>9} {'other':>6}")
+            f"{'age p99':>8} {'cores':>11} {'ms/frame':>8} {'intake':>7} {'lag s':>6} {'lag s/min':>9} {'other':>6}")
     lines = [head, "-" * len(head)]
     for case, by_system in table.items():
         for system in SYSTEMS:
@@ -228,7 +300,8 @@ def format_table(table: dict[str, dict[str, dict]], ratio: dict[str, dict[str, d
             bad = f"  ({c['unverified']} run(s) not verified)" if c["unverified"] else ""
             lines.append(f"{case:<10} {SYSTEMS[system]:<33} {c['n']:>2} {fmt(c['delivered_fps']):>7} "
                          f"{fmt(c['fraction_of_offered'], '.2f'):>8} {fmt(c['lat_p50_ms'], '.1f'):>7} "
-                         f"{fmt(c['lat_p99_ms'], '.1f'):>7} {cores:>11} {fmt(c['cpu_ms_per_frame'], '.2f'):>8} "
+                         f"{fmt(c['lat_p99_ms'], '.1f'):>7} {fmt(c.get('age_p99_ms'), '.1f'):>8} {cores:>11} "
+                         f"{fmt(c['cpu_ms_per_frame'], '.2f'):>8} "
                          f"{fmt(c['intake_fps']):>7} {fmt(c['lag_end_s'], '.2f'):>6} "
                          f"{fmt(c['lag_growth_s_per_min'], '.1f'):>9} "
                          f"{fmt(c['other_load_cores'], '.2f'):>6}{bad}")
@@ -239,6 +312,14 @@ def format_table(table: dict[str, dict[str, dict]], ratio: dict[str, dict[str, d
             lines.append(f"{case:<10} {pair:<30} fps {fmt(r['delivered_fps'], '.2f')}  ms/frame "
                          f"{fmt(r['cpu_ms_per_frame'], '.2f')}  p50 {fmt(r['lat_p50_ms'], '.2f')}  "
                          f"p99 {fmt(r['lat_p99_ms'], '.2f')}")
+    if collapse:
+        lines += ["", f"no collapse as cameras are added (delivered fps by stream count; falls: below the best "
+                      f"smaller count by more than {COLLAPSE_TOLERANCE:.0%})"]
+    for family, by_system in (collapse or {}).items():
+        for system, c in by_system.items():
+            points = ", ".join(f"{n}: {v:,.0f}" for n, v in c["delivered_fps"].items())
+            lines.append(f"{family:<10} {SYSTEMS[system]:<33} {points}  "
+                         + ("MET" if c["no_collapse"] else f"falls at {c['falls_at']}"))
     return "\n".join(lines)
 
 

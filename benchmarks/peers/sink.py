@@ -1,5 +1,5 @@
-"""What every system's sink shares: a tally of the frames it was handed, and the line protocol the driver
-(benchmarks/bench_peers.py) speaks with it.
+"""What every system's sink shares: a tally of the frames it was handed, a frame's age by the camera's clock, and
+the line protocol the driver (benchmarks/bench_peers.py) speaks with it.
 
 Standard library only: the three sinks run in three interpreters (vidar's subscriber in vidar's venv, the peers
 in .venv-peers) and each imports this file from its own folder (sys.path[0]).
@@ -81,6 +81,38 @@ class Tally:
         out.update(lat_n=len(lat), lat_p50_ms=pct(lat, 50), lat_p99_ms=pct(lat, 99),
                    lat_max_ms=lat[-1] if lat else None, age_p50_ms=pct(age, 50), age_p99_ms=pct(age, 99))
         return out
+
+
+class CameraClock:
+    """A frame's age by the camera's clock (the RTSP server's), estimated from its pts where the frame carries no
+    send time: the server sends its clip in real time from the session's start, so the frame with pts p left it
+    at start + p, and age = receive - start - p. `start` is anchored on the stream's freshest frame so far (the
+    smallest receive - pts): of all of them it waited least in the socket (not at all if the reader kept up at
+    any moment), so its receive - pts is start plus its latency inside the system, taken from its own stamp. A reader
+    that keeps up has age ~ latency; one that falls behind the live edge, its backlog queued in the socket before
+    the system stamps anything, has age grow with the backlog. The anchor is the minimum so far: a frame before
+    the freshest one is dated against a later start (its age under-, never over-estimated). pts going back (a
+    new session: the clip starts again) or new_session starts a new anchor."""
+
+    def __init__(self) -> None:
+        self._anchor: dict[Hashable, tuple[float, float]] = {}  # stream -> (receive - pts, that frame's latency)
+        self._last_pts: dict[Hashable, float] = {}
+
+    def new_session(self, stream: Hashable) -> None:
+        self._anchor.pop(stream, None)
+        self._last_pts.pop(stream, None)
+
+    def age(self, stream: Hashable, pts: float, latency_s: float, now: float) -> float:
+        """The age in s of a frame of `stream` with `pts` (s), received at `now` (s) with `latency_s` by the
+        system's own stamp."""
+        if pts < self._last_pts.get(stream, pts):
+            self._anchor.pop(stream, None)
+        self._last_pts[stream] = pts
+        offset = now - pts
+        anchor = self._anchor.get(stream)
+        if anchor is None or offset < anchor[0]:
+            anchor = self._anchor[stream] = (offset, latency_s)
+        return offset - anchor[0] + anchor[1]
 
 
 def serve_commands(tally: Tally, on_stop: Callable[[], None]) -> threading.Thread:

@@ -4,10 +4,10 @@
 
 Counts distinct (stream, seq) of the null pool's results (topic `noop.`) and, per result:
   latency  receive time - `t_capture` (wall clock, one machine), what the user sees from capture;
-  age      how much further behind the server's clock this frame is than the stream's freshest frame so
-           far: (receive - pts) - min over the stream of (receive - pts). The server sends a clip in real time,
-           so a reader that keeps up holds it constant; one that falls behind the live edge (its backlog in
-           the socket, which `t_capture` cannot see: it is stamped when the packet leaves the demuxer) grows it.
+  age      the frame's age by the camera's clock, receive - when the server sent it (sink.CameraClock: from
+           pts, anchored on the stream's freshest frame); a backlog in the socket, which `t_capture` cannot see
+           (it is stamped when the packet leaves the demuxer), grows it while latency stays flat. A stream's
+           `connected` event (a new session: the server's clip and its pts start again) starts a new anchor.
 Events (`event.`) are counted by kind (degraded / restored from the ladder, reconnecting, eos).
 Protocol: benchmarks/peers/sink.py.
 """
@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 
-from sink import Tally, emit, serve_commands
+from sink import CameraClock, Tally, emit, serve_commands
 
 from engine.publish.client import Subscriber
 
@@ -27,7 +27,7 @@ from engine.publish.client import Subscriber
 def main() -> None:
     endpoint, streams = sys.argv[1], sys.argv[2].split(",")
     tally, events = Tally(streams), Counter()
-    base: dict[str, float] = {}  # per stream: the smallest receive - pts so far (its freshest frame)
+    clock = CameraClock()
     stop = threading.Event()
     sub = Subscriber(endpoint, ["noop.", "event."])
     serve_commands(tally, stop.set)
@@ -41,10 +41,11 @@ def main() -> None:
         if msg.get("type") == "event":
             events[msg.get("kind")] += 1
             tally.extra["events"] = dict(events)
+            if msg.get("kind") == "connected":  # a new session: the server's clip, and its pts, start again
+                clock.new_session(s)
             continue
-        offset = now - msg["pts"]
-        base[s] = min(base.get(s, offset), offset)
-        tally.add(s, msg["seq"], (now - msg["t_capture"]) * 1e3, (offset - base[s]) * 1e3)
+        latency = now - msg["t_capture"]
+        tally.add(s, msg["seq"], latency * 1e3, clock.age(s, msg["pts"], latency, now) * 1e3)
     sub.close()
 
 
