@@ -42,9 +42,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         model = getattr(p, "name", None) or getattr(p, "config", "?")
         weights = getattr(p, "weights", None) or getattr(p, "checkpoint", "?")
         pools.append(f"{name} {model} (weights: {weights}, max_batch {p.max_batch})")
-    print(f"vidar: pools: {'; '.join(pools)}; budget {cfg.budget.latency_ms:g} ms; results on {cfg.publish.endpoint}"
-          + (f", metrics on http://{cfg.metrics.host}:{cfg.metrics.port}/metrics" if cfg.metrics.enabled else ""),
-          flush=True)
+    # the budget (`auto`: chosen after the pools' warm-up) and the endpoints (a default port that is taken moves)
+    # are known once the engine has started: the runtime prints them then
+    print(f"vidar: pools: {'; '.join(pools)}", flush=True)
     if cfg.metrics.enabled and cfg.metrics.token_generated:  # `auto` made one nobody knows yet: say it once
         print(f"vidar: metrics need the header Authorization: Bearer {cfg.metrics.token}", flush=True)
     return run(Engine(cfg))
@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a config key, e.g. --set models.classify.max_batch=4 (repeatable)")
     r.set_defaults(func=cmd_run)
     s = sub.add_parser("subscribe", help="print results from a running engine")
-    s.add_argument("endpoint", nargs="?", default="tcp://127.0.0.1:5556")
+    s.add_argument("endpoint", nargs="?", default="tcp://127.0.0.1:5556",
+                   help="the engine's publish endpoint (default: publish.endpoint's default; a second engine on the "
+                        "machine prints its own at start)")
     s.add_argument("--topic", action="append", help="topic prefix, e.g. classify.cam1 or event. (repeatable)")
     s.add_argument("--json", action="store_true", help="JSON lines (bytes as hex)")
     s.add_argument("--count", type=int, help="exit after this many messages")
@@ -167,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "(or points=[[x,y,1]]), remove_object stream=cam1 id=3, reset_stream stream=cam1")
     c.add_argument("op")
     c.add_argument("args", nargs="*", metavar="KEY=VALUE", help="values are YAML")
-    c.add_argument("--endpoint", default="tcp://127.0.0.1:5557")
+    c.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
+                   help="the engine's control endpoint (default: control.endpoint's default; a second engine on the "
+                        "machine prints its own at start)")
     c.add_argument("--timeout", type=float, default=10.0)
     c.set_defaults(func=cmd_control)
     for parser in (s, c):

@@ -74,16 +74,43 @@ class StreamConfig(_Strict):
 
 
 class BudgetConfig(_Strict):
-    latency_ms: float = Field(17.0, gt=0)
-    """End-to-end budget: a frame's deadline is its capture time + this. Late frames are dropped."""
+    latency_ms: Union[float, Literal["auto"]] = "auto"
+    """End-to-end budget in ms: a frame's deadline is its capture time + this. Late frames are dropped. `auto`:
+    chosen once at start for where the pools run, after their warm-up, and said at start (`budget.latency_ms:
+    150 ms (auto, on the CPU: ...)`): 17 ms for a pool on a GPU; for a pool on the CPU (no CUDA GPU, `device:
+    cpu`, or `noop`) the larger of 150 ms and 4 x its batch 1's warm-up time, rounded up to 10 ms; the engine
+    takes the largest (engine/sched/budget_auto.py says why). From then on this key holds that number, so
+    everything that reads it (`max_batch: auto` included) sees the one value. A number set here, by --set or
+    by on_cpu always wins."""
     max_batch_wait_ms: float = Field(4.0, ge=0)
     """Longest a frame waits for a batch to fill when the worker is idle (Triton-style queue delay)."""
+
+    _chosen: bool = PrivateAttr(False)  # latency_ms holds what `auto` chose at start, not a number the user set
+
+    @field_validator("latency_ms", mode="before")
+    @classmethod
+    def _ms_or_auto(cls, v: Any) -> Any:
+        # one message for both forms (a Union's own errors name each member: `latency_ms.float`)
+        if v == "auto" or (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            return v
+        raise ValueError(f"must be a number of ms > 0 or `auto`, got {v!r}")
+
+    @property
+    def configured_ms(self) -> Optional[float]:
+        """The budget the user set, None for `auto` (also once the engine has chosen a value for it)."""
+        return None if self.latency_ms == "auto" or self._chosen else float(self.latency_ms)
+
+    def choose(self, latency_ms: float) -> None:
+        """Write the budget `auto` resolved to (the engine, once at start): every reader sees the number."""
+        self.latency_ms = float(latency_ms)
+        self._chosen = True
 
 
 class QosConfig(_Strict):
     """The degradation ladder of each pool (engine/ladder.py). When a pool's live frames are dropped
-    (deadline, superseded, late, ring_full) above `degrade_drop_share` of those it was offered for
-    `degrade_after_s`, it steps one rung down; when the load at the rung above would fit
+    (deadline, superseded, late, ring_full; not those late at their source: the ingest fell behind) above
+    `degrade_drop_share` of those it was offered for `degrade_after_s` while its workers are busy (at least
+    `restore_load` of the time: thinning relieves the workers, not the decoders), it steps one rung down; when the load at the rung above would fit
     (`restore_load`) with no such drops for `restore_after_s`, it steps back up. Rungs, in order:
     process every 2nd, 3rd, ... frame of each live stream (up to its `max_interval`; the others are
     dropped as `interval`, regularly, instead of at random for their deadline), then the SAM 2 pool's
@@ -145,7 +172,9 @@ class ClassifyConfig(_GraphKeys):
     max_batch: Union[int, Literal["auto"]] = 8
     """Largest batch the scheduler forms. `auto`: chosen at start from the pool's measured batch times (1,
     2, 4, ... up to 64, graphs included): the largest batch that runs twice within budget.latency_ms (a frame
-    may wait for the batch ahead of it), logged with the times (engine/sched/batch_size.py)."""
+    may wait for the batch ahead of it), logged with the times (engine/sched/batch_size.py). So it depends on
+    the budget and on the warm-up: with budget.latency_ms `auto`, the budget is chosen first (from batch 1's
+    warm-up time on a CPU), then the batch for it."""
     topk: int = Field(5, ge=1, le=1000)
     """Classes per result, as [class_index, label, probability]."""
     embedding: bool = False
@@ -239,16 +268,21 @@ class Sam2Config(_GraphKeys):
 
 
 class NoopConfig(_Strict):
-    """A pool with no model: each frame costs a fixed time (a sleep, no CPU), results carry no fields. For
-    sizing a deployment and testing the plumbing (placement, relocation, publishing) at a known model
-    cost, independent of the machine (benchmarks/bench_cluster.py)."""
+    """A pool with no model: results carry no fields. By default a frame costs nothing (the engine's own
+    overhead, measured: benchmarks/bench_host.py, bench_peers.py). `per_frame_s` gives it a fixed cost (a
+    sleep, no CPU), for sizing a deployment and testing the plumbing (placement, relocation, publishing) at
+    a known model cost, independent of the machine (benchmarks/bench_cluster.py)."""
 
-    per_frame_s: float = Field(0.01, ge=0, le=10)
-    """Seconds each frame takes in a batch (a batch of n takes n times this)."""
+    # 0, not a token cost: a "no-op" pool that sleeps 10 ms a frame caps each worker at 100 frames/s, which a
+    # benchmark of the engine reads as the engine's limit
+    per_frame_s: float = Field(0.0, ge=0, le=10)
+    """A sizing knob: seconds each frame takes in a batch (a batch of n takes n times this; a sleep, no
+    CPU). 0 (the default): no cost, the pool measures the engine alone. Set it to stand in for a model of a
+    known cost, e.g. 0.05 for a 20 frames/s model (benchmarks/bench_cluster.py --frame-ms)."""
     max_batch: int = Field(4, ge=1, le=64)
     """Largest batch."""
     workers: int = Field(1, ge=1, le=64)
-    """Instances, each serving 1 / per_frame_s frames a second."""
+    """Instances; with a per_frame_s, each serves at most 1 / per_frame_s frames a second."""
 
 
 class ModelsConfig(_Strict):
@@ -299,14 +333,18 @@ class ControlConfig(_Strict):
     enabled: bool = True
     """Serve the control socket (add/remove streams and objects at run time)."""
     endpoint: str = "tcp://127.0.0.1:5557"
-    """ZeroMQ REP endpoint; msgpack requests, one reply each."""
+    """ZeroMQ REP endpoint; msgpack requests, one reply each. Left unset, a default another program holds (a
+    second engine on the machine) moves to a free port, printed at start (clients pass it: `vidar control
+    --endpoint`); set, it never moves: taken, the start fails naming this key."""
     max_message_bytes: int = Field(65536, ge=1024)
     """Larger requests are refused by ZeroMQ before they reach vidar."""
 
 
 class PublishConfig(_Strict):
     endpoint: str = "tcp://127.0.0.1:5556"
-    """ZeroMQ endpoint the publisher binds."""
+    """ZeroMQ endpoint the publisher binds. Left unset, a default another program holds (a second engine on
+    the machine) moves to a free port, printed at start (subscribers pass it: `vidar subscribe ENDPOINT`);
+    set, it never moves: taken, the start fails naming this key."""
     hwm: int = Field(1000, ge=1)
     """Per-subscriber queue bound (messages). Live: a full queue drops and counts; offline: waits."""
     queue_size: int = Field(256, ge=1)
@@ -393,6 +431,11 @@ class IngestConfig(_Strict):
     While a stream's process is behind its (paced) source, its frames arriving in bursts, and more than a tenth of its
     copies are superseded, its credit is 1 until it keeps up again (engine/frames/ring.py, LEAN_ENTER): 1,318 and
     1,395 frames/s at 48 x 720p60, none superseded. Offline streams wait for a free slot instead (back-pressure)."""
+    pixel_format: Literal["auto", "rgb24"] = "auto"
+    """What an ingest process writes into a stream's slots. auto: NV12 as decoded (no colour conversion: 1.5 bytes
+    a pixel) when the stream feeds one pool that converts NV12 in its batched preprocessing (classify or sam2 on a
+    GPU with preprocess: fast) or reads no pixels (noop); RGB otherwise. rgb24: always RGB. Measured at 320x240 on
+    2 cores: the RGB conversion cost more CPU than the decoding (streams/convert.py)."""
     heartbeat_s: float = Field(0.25, gt=0, le=10)
     """How often an ingest process reports that it is alive, with its streams' states."""
     hang_after_s: float = Field(3.0, gt=0, le=600)
@@ -455,7 +498,8 @@ class MetricsConfig(_Strict):
     host: str = "127.0.0.1"
     """Bind address of the metrics endpoint."""
     port: int = Field(9108, ge=0, le=65535)
-    """Port of the metrics endpoint (/metrics)."""
+    """Port of the metrics endpoint (/metrics). Left unset, a default another program holds (a second engine)
+    moves to a free port, printed at start; set, it never moves: taken, the start fails naming this key."""
     token: Optional[str] = Field(None, min_length=16)
     """Bearer token scrapers must send (`Authorization: Bearer <token>`; Prometheus: `authorization:
     {credentials: ...}`); needed for any address but loopback. `auto`: a random one per run, printed at
@@ -485,7 +529,9 @@ class ViewConfig(_Strict):
     host: str = "127.0.0.1"
     """Bind address. Any address but loopback needs `token` (refused at start otherwise)."""
     port: int = Field(8080, ge=0, le=65535)
-    """Port of the live view (0: the OS picks one; the URL is printed at start)."""
+    """Port of the live view (0: the OS picks one; the URL is printed at start). Left unset, a default another
+    program holds (a second engine) moves to a free port, printed at start; set, it never moves: taken, the
+    start fails naming this key."""
     token: Optional[str] = Field(None, min_length=16)
     """Access token: requests carry it as `Authorization: Bearer <token>` or as the cookie set by the
     login URL printed at start. `auto`: a random one per run. None: no token (loopback only)."""

@@ -15,6 +15,16 @@ class ConfigError(VidarError):
     """The configuration is invalid. The message names the key and the fix."""
 
 
+class BindError(ConfigError):
+    """A socket could not listen where the config says (most often: another program holds the port). `key`
+    names the config key (publish.endpoint, control.endpoint, metrics.port, view.port), `endpoint` what was
+    asked for; the message says the fix. A port left at its default moves instead (engine/security/ports.py)."""
+
+    def __init__(self, key: str, endpoint: str, message: str):
+        super().__init__(message)
+        self.key, self.endpoint = key, endpoint
+
+
 class WeightsError(VidarError):
     """Model weights could not be obtained or do not fit the model."""
 

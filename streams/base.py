@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
@@ -25,9 +25,9 @@ class DecodedFrame:
     #: moment on the wall clock): a network frame's capture time
     t_arrival: float = field(default_factory=time.monotonic)
     t_arrival_wall: float = field(default_factory=time.time)
-    #: NVDEC frames (streams/nvdec.py): the (H * 3 // 2, W) uint8 NV12 frame in GPU memory (the Y plane,
-    #: then the interleaved UV plane), owned by this frame (copied out of the decoder's surface), with `rgb`
-    #: None. None for CPU-decoded frames.
+    #: NV12 frames: (H * 3 // 2, W) uint8 (the Y plane, then the interleaved UV plane), with `rgb` None. NVDEC's
+    #: (streams/nvdec.py) in GPU memory, owned by this frame (copied out of the decoder's surface); a CPU
+    #: decoder's (streams/convert.py) a numpy array, when its owner asked for `pixel_format` "nv12".
     nv12: Optional[Any] = field(default=None, repr=False)
     #: a CUDA event recorded on the decoder's stream after `nv12` was written: a reader on another
     #: stream waits on it (stream.wait_event), never with a host sync. None on the CPU.
@@ -47,6 +47,18 @@ class Source(ABC):
     network: bool = False
     #: set by the ingest thread before open: the consumer wants the freshest frames, not every frame
     live: bool = False
+    #: set by the ingest thread with `live`: a live frame's latency budget (seconds). A live network source
+    #: stops decoding while it is further than this behind its camera (streams/clock.py); None: never
+    budget_s: Optional[float] = None
+    #: set by the ingest thread: called with n when the source discarded n frames unseen (packets skipped to
+    #: reach the live edge), so that they are counted as dropped and seq moves on by n
+    on_skipped: Optional[Callable[[int], None]] = None
+    #: set by the owner before open: what a CPU decoder hands out, "rgb24" (DecodedFrame.rgb) or "nv12"
+    #: (DecodedFrame.nv12, a host numpy array, for a pool that converts it or reads no pixels); only sources
+    #: listed in `host_formats` take "nv12"
+    pixel_format: str = "rgb24"
+    #: the host pixel formats this source can hand out
+    host_formats: tuple[str, ...] = ("rgb24",)
     #: nominal frame rate, used to pace files in live mode (None: use pts only)
     fps: Optional[float] = None
     #: where its video is decoded: "cpu" (PyAV) or "cuda" (NVDEC); None until an NVDEC-capable source
@@ -83,7 +95,20 @@ class Source(ABC):
         """Frames in the stream when known (files), for progress bars."""
         return None
 
+    def capture_time(self, frame: DecodedFrame) -> tuple[float, float]:
+        """(monotonic, wall) moment a network frame counts as captured: its packet's arrival here; a live network
+        source on its camera's clock says when the camera sent it (streams/clock.py), never later."""
+        return frame.t_arrival, frame.t_arrival_wall
+
+    @property
+    def lag_s(self) -> Optional[float]:
+        """How far behind the live edge the stream is read, in seconds (a live network stream's last packet:
+        its arrival minus its camera time); None when not known or not meaningful (files, synthetic)."""
+        return None
+
     #: corrupt packets skipped so far (the decoder resyncs at the next keyframe)
     decode_errors: int = 0
     #: why the last session ended early (a read timeout, a connection reset), if it did
     session_error: str = ""
+    #: the last session was ended by the source itself: it could not get back to the live edge (streams/clock.py)
+    fell_behind: bool = False

@@ -9,6 +9,9 @@ named pipes and devices through a reader whose open and reads are bounded and ca
 
 Latency truth: every frame carries the moment the packet that completed it came out of the
 demuxer, and its decode time counts only packet -> rgb, never the wait for the next packet.
+A live network stream's capture time is its packet's pts on the camera's clock (streams/clock.py),
+never later than that arrival: a packet that waited in a socket buffer carries its real age, and a
+stream too far behind skips packets, undecoded, to the next keyframe at the live edge.
 Live network streams decode without frame threads: frame threading holds back one frame
 per extra thread (measured: +67 ms at 30 fps on 2 cores), a delay no deadline would see.
 """
@@ -27,6 +30,8 @@ import av
 from engine.errors import SourceOpenError
 
 from streams.base import DecodedFrame, Source
+from streams.clock import LiveSession
+from streams.convert import to_nv12, to_rgb
 from streams.urls import redact_url, url_scheme
 
 _NOT_VIDEO_FORMATS = {"tty"}
@@ -69,6 +74,7 @@ class _PyAVSource(Source):
     #: None while a choice waits for the stream's codec (decode: auto or cuda, before the first open)
     decode_device: Optional[str] = "cpu"
     decode_reason: str = "decode: cpu"
+    host_formats = ("rgb24", "nv12")
 
     def __init__(self, stream_id: str, url: str, *, max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url)
@@ -86,6 +92,10 @@ class _PyAVSource(Source):
 
     def _thread_type(self) -> str:
         return "AUTO"  # frame+slice threads: ~1.5x faster decode on 2 cores
+
+    def _thread_count(self, w: int, h: int) -> int:
+        """The decoder's threads; 0: FFmpeg's default (one per core)."""
+        return 0
 
     def open(self) -> None:
         self.close()
@@ -113,6 +123,9 @@ class _PyAVSource(Source):
             raise SourceOpenError(self.stream_id, f"{self.display_url!r} claims {w}x{h} frames, over "
                                                   f"ring.max_frame_pixels={self.max_frame_pixels}; raise it if real")
         self._stream.thread_type = self._thread_type()
+        count = self._thread_count(w, h)
+        if count:  # 0: FFmpeg's default (one per core)
+            self._stream.codec_context.thread_count = count
         rate = self._stream.average_rate or self._stream.guessed_rate
         self.fps = float(rate) if rate else None
 
@@ -139,16 +152,19 @@ class _PyAVSource(Source):
     def frames(self) -> Iterator[DecodedFrame]:
         if self._container is None:
             self.open()
-        self.session_error = ""
+        self.session_error, self.fell_behind = "", False
         yield from self._decode(self._packets())
 
     def _packets(self) -> Iterator[tuple[av.Packet, tuple[float, float]]]:
         """The session's demuxed packets, each with the moment it came out of the demuxer (its arrival).
 
         Split from the decoding so another decoder (streams/nvdec.py) takes the same packets, timeouts
-        and arrival times: only what happens to a packet after it arrived differs.
+        and arrival times: only what happens to a packet after it arrived differs. A live network stream's
+        packets go through its camera clock first, which may discard them to skip to the live edge
+        (streams/clock.py): that too is the same for every decoder.
         """
         packets = self._container.demux(self._stream)
+        live = self._live_session()
         while True:
             try:
                 packet = next(packets)
@@ -159,11 +175,30 @@ class _PyAVSource(Source):
                 # file): the session ends here, with its reason; the ingest thread decides what follows.
                 self.session_error = redact_url(str(err))
                 return
-            yield packet, _now()
+            got = _now()
+            if live is not None and packet.size and not live.packet(packet.pts, packet.is_keyframe, got[0], packet.dts):
+                if not self._skipped(live, got[0]):
+                    return
+                continue
+            yield packet, got
+
+    def _live_session(self) -> Optional[LiveSession]:
+        """The camera clock of the session starting (live network streams: NetworkSource); None: a frame's
+        capture time is its packet's arrival."""
+        return None
+
+    def _skipped(self, live: LiveSession, arrival: float) -> bool:
+        """A packet discarded unseen to reach the live edge: one frame lost, counted by the ingest thread
+        (on_skipped). False: the session ends here (NetworkSource: stopped, or it cannot get back to the live edge)."""
+        if self.on_skipped is not None:
+            self.on_skipped(1)
+        return True
 
     def _decode(self, packets: Iterator[tuple[av.Packet, tuple[float, float]]]) -> Iterator[DecodedFrame]:
-        """PyAV (FFmpeg) on the CPU: each packet decoded, each frame converted to RGB."""
+        """PyAV (FFmpeg) on the CPU: each packet decoded, each frame made the host array the ring takes: RGB, or
+        NV12 unconverted when the stream's pool converts it or reads no pixels (`pixel_format`; streams/convert.py)."""
         tb = float(self._stream.time_base) if self._stream.time_base else 0.0
+        nv12 = self.pixel_format == "nv12"
         n = 0
         arrivals = _Arrivals()
         last = _now()  # arrival of the last packet with data: what frames flushed at the end get
@@ -179,11 +214,15 @@ class _PyAVSource(Source):
             decode_s = time.monotonic() - got[0]
             for frame in decoded:
                 c0 = time.monotonic()
-                rgb = frame.to_ndarray(format="rgb24")
+                if nv12:
+                    yuv, colour = to_nv12(frame)
+                    rgb = None
+                else:
+                    rgb, yuv, colour = to_rgb(frame), None, ("bt601", "limited")
                 convert_s = time.monotonic() - c0
                 pts = frame_pts(frame.pts, tb, n, self.fps)
                 t_mono, t_wall = arrivals.pop(frame.pts, last)
-                yield DecodedFrame(rgb, float(pts), decode_s + convert_s, t_mono, t_wall)
+                yield DecodedFrame(rgb, float(pts), decode_s + convert_s, t_mono, t_wall, nv12=yuv, colour=colour)
                 n += 1
 
     def close(self) -> None:
@@ -313,6 +352,42 @@ class NetworkSource(_PyAVSource):
                  max_frame_pixels: int = 8192 * 8192):
         super().__init__(stream_id, url, max_frame_pixels=max_frame_pixels)
         self.open_timeout_s, self.read_timeout_s = open_timeout_s, read_timeout_s
+        self._camera: Optional[LiveSession] = None  # the last live session's camera clock (streams/clock.py)
+        self._cancelled = False
+
+    # -- the camera's clock (live only; streams/clock.py) ----------------------------------------------------
+    def _live_session(self) -> Optional[LiveSession]:
+        if not self.live:  # offline: every frame is wanted, however late; its arrival is its capture time
+            return None
+        tb = float(self._stream.time_base) if self._stream.time_base else 0.0
+        self._camera = LiveSession(self.budget_s, tb)  # a new session, a new anchor: its pts start anew
+        return self._camera
+
+    def _skipped(self, live: LiveSession, arrival: float) -> bool:
+        super()._skipped(live, arrival)
+        if self._cancelled:  # a skipping session yields no frame, so the ingest thread's stop is seen here
+            return False
+        if live.gave_up(arrival):
+            # Skipping (demux only) has not reached the live edge through two keyframes: the demuxer itself
+            # cannot keep up, or the clock was misled (a pts jump too small to see). A reconnect drops the
+            # whole socket backlog at once and starts a new anchor; the ingest thread reconnects with backoff.
+            self.session_error = (f"{live.lag_s:.1f} s behind the live edge while skipping to it: "
+                                  "reconnecting to start at the live edge")
+            self.fell_behind = True
+            return False
+        return True
+
+    def capture_time(self, frame: DecodedFrame) -> tuple[float, float]:
+        if self._camera is None:
+            return frame.t_arrival, frame.t_arrival_wall
+        return self._camera.capture(frame.pts, frame.t_arrival, frame.t_arrival_wall)
+
+    @property
+    def lag_s(self) -> Optional[float]:
+        return self._camera.lag_s if self._camera is not None else None
+
+    def cancel(self) -> None:
+        self._cancelled = True
 
     def _target(self) -> str:
         # vidar reads schemes case-insensitively (RTSP://cam is allowed); FFmpeg matches protocol names
@@ -333,4 +408,10 @@ class NetworkSource(_PyAVSource):
 
     def _thread_type(self) -> str:
         return "SLICE" if self.live else "AUTO"  # frame threads delay every live frame (module docstring)
+
+    def _thread_count(self, w: int, h: int) -> int:
+        # A small live frame decodes on one thread: at 320x240 slice threads cost more CPU than they save time
+        # (measured, 2 cores: 0.25 -> 0.19 ms a frame with one thread) and made two threads per camera that
+        # wake for every frame; from 640x480 up, slices decoded side by side shorten each frame's wait.
+        return 1 if self.live and 0 < w * h < 640 * 480 else 0
 

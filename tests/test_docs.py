@@ -103,7 +103,8 @@ def test_the_config_reference_is_generated_from_the_config_now():
 
 def test_the_reference_shows_types_defaults_bounds_and_choices():
     text = _script("gen_config_docs").render()
-    assert "| `budget.latency_ms` | float | `17.0` | > 0 |" in text
+    assert '| `budget.latency_ms` | float \\| "auto" | `"auto"` |  | ' in text  # chosen at start: the row says how
+    assert "| `budget.max_batch_wait_ms` | float | `4.0` | >= 0 |" in text
     assert '| `streams[].mode` | "live" \\| "offline" | `"live"` |' in text
     assert "| `models.sam2.image_size` | int | `1024` | >= 128, <= 2048, multiple of 32 |" in text
     assert "## `cluster.publish`" in text

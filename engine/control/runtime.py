@@ -19,6 +19,7 @@ import time
 from typing import Optional, TextIO
 
 from engine.core.engine import Engine
+from engine.core.stream_table import lag_of
 from engine.errors import ConfigError, VidarError, WeightsError
 
 log = logging.getLogger("vidar")
@@ -64,12 +65,34 @@ class StatusPrinter:
                     f"{fout:5.1f} fps  {lat}  failed {fails}")
         k = pool.qos.interval(sid)
         qos = f"  1 in {k}" if k > 1 else ""  # the degradation ladder samples this stream
-        return (f"[{name}] {sid:<10} {entry.display_state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps{qos}  {lat}  "
-                f"in-flight {s.in_flight}  dropped: {drops}  failed: {fails}")
+        lag = lag_of(entry)  # a live network stream's lag behind its camera (streams/clock.py)
+        behind = f"  behind live {lag:.2f} s" if lag is not None else ""
+        return (f"[{name}] {sid:<10} {entry.display_state:<12} in {fin:5.1f} fps  out {fout:5.1f} fps{qos}{behind}  "
+                f"{lat}  in-flight {s.in_flight}  dropped: {drops}  failed: {fails}")
 
     def print(self) -> None:
         for line in self.lines():
             print(line, file=self.out, flush=True)
+
+
+#: what a client of a moved port passes, by key (a second engine on a machine: engine/security/ports.py)
+_CLIENTS = {"publish.endpoint": "subscribers connect there: vidar subscribe {}",
+            "control.endpoint": "control clients pass it: vidar control list --endpoint {}",
+            "metrics.port": "scrape {}", "view.port": "open {}"}
+
+
+def print_endpoints(engine: Engine, view=None, out: TextIO = sys.stdout) -> None:
+    """Where the engine listens, as bound, once it has started; then each default port that was taken and moved,
+    loudly, with what its clients pass."""
+    where = engine.endpoints()
+    names = {"publish.endpoint": "results on", "control.endpoint": "control on", "metrics.port": "metrics on"}
+    print("vidar: " + ", ".join(f"{names[k]} {v}" for k, v in where.items()), file=out, flush=True)
+    if view is not None:
+        print(f"vidar: live view on {view.url}" + (f" (log in: {view.login_url})" if view.login_url else ""),
+              file=out, flush=True)
+    moved = engine.moved_ports + ([view.moved] if view is not None and view.moved is not None else [])
+    for m in moved:
+        print(f"vidar: PORT MOVED: {m.note()}; {_CLIENTS[m.key].format(m.bound)}", file=out, flush=True)
 
 
 async def _main(engine: Engine) -> int:
@@ -85,6 +108,7 @@ async def _main(engine: Engine) -> int:
     except VidarError as err:
         log.error("%s", err)
         return EXIT_DEAD
+    print(f"vidar: {engine.budget_note}", flush=True)
     view = None
     if engine.view is not None:
         from engine.view.server import ViewServer
@@ -95,8 +119,7 @@ async def _main(engine: Engine) -> int:
             print(f"vidar: {err}", file=sys.stderr, flush=True)
             await loop.run_in_executor(None, lambda: engine.stop(drain=False))
             return EXIT_CONFIG
-        print(f"vidar: live view on {view.url}" + (f" (log in: {view.login_url})" if view.login_url else ""),
-              flush=True)
+    print_endpoints(engine, view)
     control = None
     if engine.control_socket is not None:
         from engine.control.control_socket import serve

@@ -27,10 +27,12 @@ from engine.util.memory import limit_malloc_arenas
 from engine.publish.metrics import Metrics
 from engine.executor.pool import Pool
 from engine.publish.publisher import Publisher
-from engine.core.stream_table import StreamTable
+from engine.core.stream_table import StreamTable, lag_of
 from engine.models.base import ModelRunner
 from engine.sched.tuning import usable_cores
 from engine.models.registry import auto_plan, build_pool
+from engine.sched.budget_auto import PoolTiming, choose_budget, runs_on_gpu
+from engine.security.ports import left_default
 
 log = logging.getLogger("vidar.engine")
 
@@ -58,6 +60,7 @@ class Engine:
         self.view = None  # the live view's hub when view.enabled (its web server runs in the runtime)
         self.ingest = None  # engine/ingest/client.IngestHub when ingest.processes != 0
         self._frozen = False  # counted in gc_pause (start-up objects out of the cyclic collector) until stop
+        self.budget_note = ""  # budget.latency_ms as chosen at start, and how (engine/sched/budget_auto.py)
 
     # -- start ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -82,8 +85,10 @@ class Engine:
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
                                lambda: {name: p.qos.state() for name, p in self.pools.items()})
+        # a port left at its default that another engine holds moves to a free one (engine/security/ports.py)
         if cfg.metrics.enabled:
-            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, cfg.metrics.token)
+            self.metrics.serve(cfg.metrics.host, cfg.metrics.port, cfg.metrics.token,
+                               movable=left_default(cfg.metrics, "port"))
         if cfg.security.curve:
             from engine.security.keys import Curve
             self.curve = Curve(self._ctx or zmq.Context.instance(), cfg.security.server_key,
@@ -91,9 +96,10 @@ class Engine:
         if cfg.control.enabled:
             from engine.security.sockets import bind_control_socket
             self.control_socket = bind_control_socket(cfg.control.endpoint, cfg.control.max_message_bytes, curve=self.curve,
-                                       ctx=self._ctx)
+                                       ctx=self._ctx, movable=left_default(cfg.control, "endpoint"))
         self.publisher = Publisher(cfg.publish, ctx=self._ctx, curve=self.curve,
-                                   on_publish_latency=lambda s: self.metrics.observe("all", "publish", s))
+                                   on_publish_latency=lambda s: self.metrics.observe("all", "publish", s),
+                                   movable=left_default(cfg.publish, "endpoint"))
         if cfg.view.enabled:
             from engine.view.hub import ViewHub
             self.view = ViewHub(cfg.view)
@@ -107,11 +113,13 @@ class Engine:
                 pcfg, plan = auto_plan(name, pcfg, cores=cores, pools=len(configured), live=live)
             spec = build_pool(name, pcfg, self._injected.get(name), self._factories.get(name))
             spec.plan = plan
-            pool = Pool(spec, publisher=self.publisher, faults=cfg.faults, max_wait_s=cfg.budget.max_batch_wait_ms / 1e3,
-                        credit=cfg.publish.queue_size, metrics=self.metrics, wake=self._wake, qos=cfg.qos,
-                        budget_s=cfg.budget.latency_ms / 1e3)
-            pool.warmup()
-            self.pools[name] = pool
+            # the budget is given at warm-up: `auto` is chosen from the pools' batch 1 times first
+            self.pools[name] = Pool(spec, publisher=self.publisher, faults=cfg.faults,
+                                    max_wait_s=cfg.budget.max_batch_wait_ms / 1e3, credit=cfg.publish.queue_size,
+                                    metrics=self.metrics, wake=self._wake, qos=cfg.qos)
+        self._choose_budget(configured)
+        for pool in self.pools.values():
+            pool.warmup(cfg.budget.latency_ms / 1e3)
         batches = {name: p.scheduler.max_batch for name, p in self.pools.items()}
         for line in ring_needs(cfg, batches):
             log.info("%s", line)
@@ -125,7 +133,8 @@ class Engine:
                                       f"connected to {self.publisher.endpoint} within {cfg.publish.wait_subscribers_s} s")
         if cfg.ingest.processes != 0:
             self._start_ingest(cores)
-        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, view=self.view,
+        self.table = StreamTable(cfg, self.pools, self.publisher, self._emit, self._wake, frames_ready=self._frames_ready,
+                                 view=self.view,
                                  keep_ended=self._keep_ended, ingest_hub=self.ingest)
         supervised = [self.publisher.health] + ([self.view.health] if self.view is not None else [])
         if self.ingest is not None:
@@ -148,6 +157,44 @@ class Engine:
         gc_pause.freeze_startup()  # models, pools and streams built: later collections skip them (gc_pause.py)
         self._frozen = True
 
+    def _choose_budget(self, configured: dict) -> None:
+        """budget.latency_ms `auto`: chosen now, from where each pool runs and, for a pool on the CPU, its batch
+        1's warm-up time (engine/sched/budget_auto.py), and written into the config, so every reader after this
+        (the pools' deadlines and `max_batch: auto`, the streams, the ingest processes, the view) sees the one
+        value. Said at start either way (`budget_note`)."""
+        budget = self.cfg.budget
+        timings = {}
+        if budget.configured_ms is None:
+            import torch
+            cuda = torch.cuda.is_available()
+            for name, pool in self.pools.items():
+                on_gpu = runs_on_gpu(getattr(configured[name], "device", None), cuda)
+                timings[name] = PoolTiming(on_gpu, None if on_gpu else pool.batch1_s())
+        choice = choose_budget(budget.configured_ms, timings)
+        if budget.configured_ms is None:
+            budget.choose(choice.latency_ms)
+        self.budget_note = choice.note
+        log.info("%s", choice.note)
+
+    @property
+    def moved_ports(self) -> list:
+        """The ports left at their default that were taken and moved to a free one (engine/security/ports.py)."""
+        socks = (self.metrics, self.control_socket, self.publisher)
+        return [s.moved for s in socks if s is not None and getattr(s, "moved", None) is not None]
+
+    def endpoints(self) -> dict[str, str]:
+        """Where this engine listens, as bound (a moved default port shows where it went): config key ->
+        endpoint. The live view is served by the runtime (engine/control/runtime.py), which adds it."""
+        out = {}
+        if self.publisher is not None:
+            out["publish.endpoint"] = self.publisher.endpoint
+        if self.control_socket is not None:
+            out["control.endpoint"] = self.control_socket.endpoint
+        if self.metrics is not None and self.metrics.port is not None:
+            host = self.cfg.metrics.host
+            out["metrics.port"] = f"http://{f'[{host}]' if ':' in host else host}:{self.metrics.port}/metrics"
+        return out
+
     def _start_ingest(self, cores: int) -> None:
         """Ingest processes (engine/ingest): their slots live in /dev/shm, which must hold ring.total_memory_mb
         (a container's default 64 MB would end in SIGBUS in a writer, not an error: checked here, exit 2)."""
@@ -162,6 +209,11 @@ class Engine:
     def _wake(self) -> None:
         if self.core is not None:
             self.core.wake()
+
+    def _frames_ready(self, n: int = 1) -> None:
+        """The rings' notify: n frames committed (EngineCore.frames_ready may let them wait for the step due)."""
+        if self.core is not None:
+            self.core.frames_ready(n)
 
     def _emit(self, stream: str, kind: str, reason: str) -> None:
         if self.publisher is not None:
@@ -210,12 +262,14 @@ class Engine:
 
     def stream_counters(self) -> dict[str, dict[str, int]]:
         """Per-stream counters outside the frame accounting (metrics and the status line)."""
-        out: dict[str, dict[str, int]] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}}
+        out: dict[str, dict] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}, "lag_s": {}}
         for entry in self.table.snapshot() if self.table else []:
             out["ring_overwrites"][entry.id] = sum(r.overwrites for r in entry.rings.values())
             if entry.ingest is not None:
                 out["decode_errors"][entry.id] = entry.ingest.source.decode_errors
                 out["reconnects"][entry.id] = entry.ingest.reconnects
+                if (lag := lag_of(entry)) is not None:  # a gauge, for live network streams only
+                    out["lag_s"][entry.id] = lag
         if self.publisher is not None:
             out["events_dropped"] = dict(self.publisher.stats.events_dropped)
             out["publish_missed"] = dict(self.publisher.stats.missed)

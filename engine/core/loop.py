@@ -44,6 +44,7 @@ class EngineCore(OwnThread):
         self._shutdown_timeout_s, self._clock = shutdown_timeout_s, clock
         self._inbox: deque = deque()  # (CoreRequest, Future): applied between steps, in the order they came
         self._wake = threading.Event()
+        self._absorb = 0  # frames_ready calls that may go without a wake-up (Pool.wake_slack), set by the core
         self.state = "created"   # running -> draining -> stopped
         self._drain_until: Optional[float] = None
         self._draining = True  # begin_stop(drain=False): an abort, not a drain that ran out of time
@@ -56,12 +57,24 @@ class EngineCore(OwnThread):
         self._thread.start()
 
     def wake(self) -> None:
-        # Every ingest thread calls this for every frame. Event.set() takes the event's lock and notifies
-        # even when the flag is already up; checking first (no lock) skips that while a step is due anyway.
-        # Safe: the frame is READY before its writer calls wake, and the core clears the flag before it
-        # pulls, so a wake skipped because the flag was still up is followed by a pull that sees the frame.
+        # Event.set() takes the event's lock and notifies even when the flag is already up; checking first (no
+        # lock) skips that while a step is due anyway. Safe: the frame is READY before its writer calls wake, and
+        # the core clears the flag before it pulls, so a wake skipped because the flag was still up is followed by
+        # a pull that sees the frame.
         if not self._wake.is_set():
             self._wake.set()
+
+    def frames_ready(self, n: int = 1) -> None:
+        """n frames were committed to rings (every ingest thread, the ingest I/O thread once per batch it read).
+        Wakes the core unless its pools are waiting for batches to fill and these frames do not fill one
+        (Pool.wake_slack): then it steps at the wait's limit anyway. Safe: `_absorb` is 0 from before the core
+        pulls until after its pools have said their slack, so a frame readied meanwhile wakes it; a wake skipped
+        by a stale count only moves a dispatch to the step already due at the batch's wait limit."""
+        if self._absorb >= n:
+            self._absorb -= n
+            return
+        self._absorb = 0
+        self.wake()
 
     def submit(self, request: CoreRequest) -> Future:
         """Apply `request` on the core thread between steps; its result (or ControlError) lands in the
@@ -79,6 +92,7 @@ class EngineCore(OwnThread):
     def _run(self) -> None:
         try:
             while True:
+                self._absorb = 0  # every frame readied from here until the pools' slack is known wakes the core
                 self._wake.clear()  # before the work: anything arriving during it sets it again
                 self._apply_messages()
                 now = self._clock()
@@ -88,6 +102,8 @@ class EngineCore(OwnThread):
                 if self.state == "draining" and self._drained(now):
                     break
                 timeout = min([0.1] + [max(0.0, w - self._clock()) for w in wakes if w is not None])
+                if self.state == "running" and self.pools:
+                    self._absorb = min(pool.wake_slack() for pool in self.pools.values())
                 self._wake.wait(timeout)
         except BaseException as err:  # engine-dead: fail what is in flight, eos for every stream
             log.exception("engine core crashed")

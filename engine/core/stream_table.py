@@ -50,6 +50,13 @@ from engine.util.threads import settle
 log = logging.getLogger("vidar.engine")
 
 
+def lag_of(e: "StreamEntry") -> Optional[float]:
+    """A live network stream's lag behind its camera (seconds, rounded to the ms), from its ingest thread or, in a
+    process, its last StreamState; None for other streams and before its first packet."""
+    lag = getattr(e.ingest, "lag_s", None) if e.ingest is not None else None
+    return None if lag is None else round(lag, 3)
+
+
 @dataclass(eq=False)
 class StreamEntry:
     cfg: StreamConfig
@@ -84,8 +91,10 @@ class StreamEntry:
 class StreamTable:
     def __init__(self, cfg: EngineConfig, pools: dict[str, Pool], publisher: Publisher,
                  emit: Callable[[str, str, str], None], wake: Callable[[], None], view=None,
-                 keep_ended: bool = False, ingest_hub=None):
+                 keep_ended: bool = False, ingest_hub=None, frames_ready: Optional[Callable[..., None]] = None):
         self.cfg, self._pools, self._publisher, self._emit, self._wake = cfg, pools, publisher, emit, wake
+        # the rings' notify: (n frames committed) -> the core, which may let them wait for the batch's step
+        self._frames_ready = frames_ready or (lambda n=1: wake())
         self._hub = ingest_hub  # engine/ingest/client.IngestHub when ingest.processes != 0, else None (threads)
         self._told_threads: set[str] = set()  # why some streams stay threads, logged once per reason
         self._view = view  # the live view's hub, or None
@@ -214,11 +223,12 @@ class StreamTable:
             pool = self._pools[name]
             entry.rings[name] = FrameRing(scfg.id, live=live, accounting=pool.acct, memory_bytes=r.memory_mb * 2 ** 20,
                                           min_slots=r.min_slots, max_slots=r.max_slots,
-                                          max_frame_pixels=r.max_frame_pixels, notify=self._wake,
+                                          max_frame_pixels=r.max_frame_pixels, notify=self._frames_ready,
                                           max_interval=scfg.max_interval, budget=self.frame_budget,
                                           # in a process, the first pool's slots are the segment it writes;
                                           # the others' are the engine's own, filled by the hub (leases.py)
-                                          storage=SharedHostSlots() if remote and not entry.rings else None)
+                                          storage=SharedHostSlots(self._pixel_format(pools, source))
+                                          if remote and not entry.rings else None)
             if self._view is not None:
                 entry.rings[name].tap = functools.partial(self._view.capture, pool=name)
             entry.rings[name].on_close = functools.partial(self._watch.__setitem__, entry, None)
@@ -277,6 +287,15 @@ class StreamTable:
             self._told_threads.add(why)
             log.info("stream %s: %s", scfg.id, why)
         return False
+
+    def _pixel_format(self, pools: list[str], source) -> str:
+        """What the stream's ingest process writes into its slots (ingest.pixel_format): NV12 as decoded, with no colour
+        conversion, when its one pool's runners take NV12 (they convert it in their batched preprocessing, or read
+        no pixels) and its decoder can hand NV12 out; RGB otherwise. One pool only: the hub copies a stream feeding
+        several into the others' RGB rings (leases.py)."""
+        if self.cfg.ingest.pixel_format == "rgb24" or len(pools) != 1 or "nv12" not in source.host_formats:
+            return "rgb24"
+        return "nv12" if all(getattr(m, "accepts_nv12", False) for m in self._pools[pools[0]].spec.models) else "rgb24"
 
     def _undo(self, entry: StreamEntry) -> None:
         """A start that failed half-way: the stream is as if never added (its id free, nothing held)."""
@@ -477,4 +496,6 @@ class StreamTable:
                 "process": getattr(e.ingest, "process", "engine"),
                 # where its video is decoded and why (auto falls back to the CPU with a reason)
                 "decode": {"device": getattr(source, "decode_device", None),
-                           "reason": getattr(source, "decode_reason", "")}}
+                           "reason": getattr(source, "decode_reason", "")},
+                # a live network stream: how far behind its camera it is read, seconds (streams/clock.py); else None
+                "lag_s": lag_of(e)}

@@ -44,18 +44,22 @@ from engine.models.registry import PoolSpec
 
 log = logging.getLogger("vidar.pool")
 
+_NO_FRAMES = 1 << 30  # wake_slack of a pool no stream feeds: it never limits the others'
+
 
 class Pool:
     def __init__(self, spec: PoolSpec, *, publisher: Publisher, faults: FaultsConfig, max_wait_s: float,
                  credit: int, metrics: Optional[Metrics] = None, wake: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic, qos: Optional[QosConfig] = None,
                  budget_s: Optional[float] = None):
-        """`budget_s`: the engine's latency budget, which `max_batch: auto` chooses the batch size for."""
+        """`budget_s`: the engine's latency budget, which `max_batch: auto` chooses the batch size for. None
+        while the engine has not chosen it yet (an unset budget.latency_ms on a CPU is chosen from the pools'
+        `batch1_s`): it is then given to `warmup`."""
         if not spec.models:
             raise ValueError(f"pool {spec.name}: a pool needs at least one worker")
-        if spec.auto_batch and not budget_s:
-            raise ValueError(f"pool {spec.name}: max_batch auto needs the latency budget (budget_s)")
         self._budget_s = budget_s
+        self._processor_warm = False
+        self._batch1_runs: Optional[list[dict[int, float]]] = None  # batch 1's runs measured by batch1_s
         self.batch_choice: Optional[BatchChoice] = None  # with max_batch auto: what warm-up chose and why
         self.name, self.spec = spec.name, spec
         self.acct = Accounting(spec.name)
@@ -83,20 +87,48 @@ class Pool:
                                stream, kind, reason, fields=lambda: dict(fields)))
 
     # -- start / stop -------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Measure batch times under the workers' own thread count; they seed the scheduler. With
-        `max_batch: auto` the sizes 1, 2, 4, ... are measured until one does not fit the budget, and the
-        scheduler's max_batch becomes the largest that does (sched/batch_size.py)."""
-        # the family's output stage (SAM 2's tracking stage) first; a processor that does not derive from
+    def _warm_processor(self) -> None:
+        # the family's output stage (SAM 2's tracking stage) first, once; a processor that does not derive from
         # PostProcessor (a plug-in's, a test's wrapper) may have no warm-up
+        if self._processor_warm:
+            return
+        self._processor_warm = True
         warm = getattr(self.spec.processor, "warmup", None)
         if warm is not None:
             warm()
+
+    def batch1_s(self) -> Optional[float]:
+        """Batch 1's time at warm-up (the median of SWEEP_REPEATS runs, after the output stage's warm-up), or
+        None when the model reports none: what an unset budget.latency_ms is chosen from on a CPU
+        (engine/sched/budget_auto.py). The runs seed the scheduler; `warmup` does not measure batch 1 again."""
+        self._warm_processor()
+        if self._batch1_runs is None:
+            self._batch1_runs = [self._warmup_times([1]) for _ in range(SWEEP_REPEATS)]
+            if all(1 in r for r in self._batch1_runs):
+                self.scheduler.update(1, statistics.median(r[1] for r in self._batch1_runs))
+        if not all(1 in r for r in self._batch1_runs):
+            return None
+        return statistics.median(r[1] for r in self._batch1_runs)
+
+    def warmup(self, budget_s: Optional[float] = None) -> None:
+        """Measure batch times under the workers' own thread count; they seed the scheduler. With
+        `max_batch: auto` the sizes 1, 2, 4, ... are measured until one does not fit the budget, and the
+        scheduler's max_batch becomes the largest that does (sched/batch_size.py): the choice depends on the
+        budget, which is why an unset one is chosen first. `budget_s`: the budget, when it was not known
+        at construction."""
+        if budget_s is not None:
+            self._budget_s = budget_s
+        if self.spec.auto_batch and not self._budget_s:
+            raise ValueError(f"pool {self.name}: max_batch auto needs the latency budget (budget_s)")
+        self._warm_processor()
         if self.spec.auto_batch:
             self._choose_batch()
         else:
-            for b, seconds in self._warmup_times(sorted({1, self.scheduler.max_batch})).items():
-                self.scheduler.update(b, seconds)
+            seeded = {1} if self._batch1_runs is not None else set()
+            sizes = sorted({1, self.scheduler.max_batch} - seeded)
+            for b, seconds in (self._warmup_times(sizes) if sizes else {}).items():
+                if b not in seeded:  # a graphed runner also reports the smaller sizes: batch 1 is seeded already
+                    self.scheduler.update(b, seconds)
         plan = self.spec.plan
         why = f" ({plan.why})" if plan is not None else ""
         log.info("pool %s: %d worker(s) x %s thread(s)%s; warm-up %s", self.name, len(self.slots.models),
@@ -107,8 +139,11 @@ class Pool:
 
     def _choose_batch(self) -> None:
         latency, swept, seeded = self.scheduler.latency, [], set()
+        if self._batch1_runs is not None and all(1 in r for r in self._batch1_runs):
+            seeded.add(1)  # batch1_s measured and seeded it (the unset budget was chosen from it)
         for b in candidate_sizes(self.spec.max_batch):
-            runs = [self._warmup_times([b]) for _ in range(SWEEP_REPEATS)]
+            runs = (self._batch1_runs if b == 1 and self._batch1_runs is not None
+                    else [self._warmup_times([b]) for _ in range(SWEEP_REPEATS)])
             if any(b not in r for r in runs):  # nothing to choose from: an estimate of 0 would pick the ceiling
                 raise ConfigError(f"models.{self.name}.max_batch: auto, but the pool's model reports no time for "
                                   f"batch {b} at warm-up: set a number")
@@ -214,6 +249,23 @@ class Pool:
                 self._dispatch(worker, plan.batch, now)
         self.drop_log.flush()
         return wake_at
+
+    def wake_slack(self) -> int:
+        """After a step: how many more frames may become ready here without the core being woken for them. While an
+        idle worker waits for a batch to fill (frames pending, fewer than max_batch), up to one short of a full
+        batch: the core steps at the batch's wait limit anyway (budget.max_batch_wait_ms, earlier if a deadline
+        needs it), and a wake-up a frame cost the thread that committed it a futex wake under the GIL (py-spy,
+        16 RTSP cameras: ~40 % of the ingest I/O thread's GIL time). 0 otherwise: an empty pool (the first frame
+        starts the wait), a batch already full, no idle worker (a finishing worker wakes the core itself)."""
+        if not self.rings:
+            return _NO_FRAMES
+        pending = self.scheduler.pending()
+        if pending == 0 or pending >= self.scheduler.max_batch:
+            return 0
+        with self.acct.lock:  # idle() is read under the ledger lock
+            if self.slots.idle() is None:
+                return 0
+        return self.scheduler.max_batch - pending - 1
 
     def _pull(self, now: float) -> None:
         """Ledger lock held. An offline stream takes no more than its credit: results it has in the

@@ -39,6 +39,7 @@ class StreamCounts:
     dropped: Counter = field(default_factory=Counter)
     failed: Counter = field(default_factory=Counter)
     latencies_ms: deque = field(default_factory=lambda: deque(maxlen=LATENCY_WINDOW))
+    late_at_source: int = 0  # of dropped[deadline]: dropped at the source (Accounting.late_at_source)
 
     def terminal(self) -> int:
         return self.published + sum(self.dropped.values()) + sum(self.failed.values())
@@ -149,6 +150,17 @@ class Accounting:
     def streams(self) -> list[str]:
         with self.lock:
             return list(self._streams)
+
+    def late_at_source(self, stream: str, n: int) -> None:
+        """n of the stream's `deadline` drops happened at its source (past their deadline when decoded, or
+        skipped undecoded to reach the live edge): the ingest fell behind, not the pool. Counted apart so the
+        degradation ladder does not thin a pool for them (sched/qos.py); the drops themselves are counted by drop()."""
+        with self.lock:
+            self._get(stream).late_at_source += n
+
+    def late_at_source_total(self, streams) -> int:
+        with self.lock:
+            return sum(c.late_at_source for s in streams if (c := self._streams.get(s)) is not None)
 
     def totals(self, streams) -> tuple[int, Counter]:
         """Ingested and dropped-by-reason summed over these streams: terminal counters only, no holder

@@ -3,8 +3,10 @@
 One ingest thread per stream, so a slow or dead stream only ever stalls itself. It stamps every
 frame with stream id, sequence number, pts and capture time, sets its deadline (live: capture
 + budget) and writes it into the stream's ring. The capture time is when the frame's last
-packet arrived (network), when it was due (paced live files and synthetic streams: never
-"now, after sleeping"), or when it was decoded (offline). A live frame already past its deadline when
+packet arrived (network; live, its pts on the camera's clock, never later: streams/clock.py), when it
+was due (paced live files and synthetic streams: never "now, after sleeping"), or when it was decoded
+(offline). A live network source tells it of the frames it discarded unseen to skip to the live edge:
+counted as `deadline` drops at the source, seq moving on by as many. A live frame already past its deadline when
 it is ready to write is dropped there (`deadline`, as the scheduler would), never copied. Files end (or
 loop); network streams whose session ends reconnect, paced by streams/backoff.py. Events go out
 through `emit`.
@@ -44,6 +46,8 @@ class IngestThread(OwnThread):
         self.stream = source.stream_id
         self.live, self.loop, self.budget_s = live, loop, budget_s
         source.live = live  # before any open: a live source trades completeness for freshness
+        source.budget_s = budget_s if live else None  # a live network source skips to the live edge past it
+        source.on_skipped = self._skipped
         self._emit = emit
         self._policy = Backoff(reconnect_initial_s, reconnect_max_s, backoff_reset_after_s)
         self._troubles, self._last_log = 0, -math.inf  # failed opens and short sessions since a good session
@@ -58,6 +62,12 @@ class IngestThread(OwnThread):
         self.attempts: deque = deque(maxlen=64)  # monotonic times of connection attempts (bounded)
         self.backoff: deque = deque(maxlen=64)   # the pauses chosen after failed attempts and ended sessions
         self.total_frames: Optional[int] = None
+        self.skipped = 0  # frames the source discarded unseen to reach the live edge (counted as deadline drops)
+
+    @property
+    def lag_s(self) -> Optional[float]:
+        """How far behind its camera a live network stream is read (seconds); None for other streams."""
+        return self.source.lag_s if self.live and self.source.network else None
 
     def start(self) -> None:
         self._thread.start()
@@ -158,8 +168,12 @@ class IngestThread(OwnThread):
         self.end_reason = "stopped"
 
     def _disconnected(self, delivered_s: float) -> None:
-        why = (f"no packet for {2 * self.source.read_timeout_s:g} s or connection lost: {self.source.session_error}"
-               if self.source.session_error else "stream ended (server closed the session)")
+        if self.source.fell_behind:  # the source ended the session itself, to start again at the live edge
+            why = self.source.session_error
+        elif self.source.session_error:
+            why = f"no packet for {2 * self.source.read_timeout_s:g} s or connection lost: {self.source.session_error}"
+        else:
+            why = "stream ended (server closed the session)"
         self._emit(self.stream, "reconnecting", why)
         if delivered_s >= self._policy.reset_after_s:
             self._troubles = 0
@@ -219,10 +233,23 @@ class IngestThread(OwnThread):
             first = last if first is None else first
         return last - first if first is not None else 0.0
 
+    def _skipped(self, n: int) -> None:
+        """The source discarded n frames unseen (packets skipped to reach the live edge, streams/clock.py): they
+        were past their deadline, so they are counted as the scheduler would have, and seq moves on by n so
+        that what got in and what is accounted for stay equal. Called on this thread (inside frames())."""
+        if not self.skipped:  # once a stream: under a lasting overload it skips every few seconds
+            lag = self.source.lag_s
+            log.warning("stream %s: %s behind its camera, past its budget of %.0f ms (the ingest cannot keep up): "
+                        "skipping undecoded to a keyframe at the live edge; skipped frames count as deadline drops",
+                        self.stream, f"{lag:.2f} s" if lag is not None else "further", self.budget_s * 1e3)
+        self.ring.drop_at_source(n, DropReason.DEADLINE)
+        self.seq += n
+        self.skipped += n
+
     def _capture_time(self, frame: DecodedFrame, due: Optional[float]) -> tuple[float, float]:
         """(monotonic, wall) moment the frame counts as captured; its deadline is counted from it."""
         if self.source.network:
-            return frame.t_arrival, frame.t_arrival_wall
+            return self.source.capture_time(frame)
         now_mono, now_wall = time.monotonic(), time.time()
         if due is None:  # offline: when it was decoded
             return now_mono, now_wall

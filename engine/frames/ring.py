@@ -86,7 +86,7 @@ class FrameRing:
 
     def __init__(self, stream: str, *, live: bool, accounting: Accounting, memory_bytes: float,
                  min_slots: int, max_slots: int, max_frame_pixels: int,
-                 notify: Callable[[], None] = lambda: None, max_interval: int = 1,
+                 notify: Callable[..., None] = lambda n=1: None, max_interval: int = 1,
                  budget: Optional[FrameMemoryBudget] = None, storage: Optional[SlotStorage] = None):
         self.stream = stream
         self._budget = budget  # the engine-wide frame memory (engine/frame_budget.py); None: unbounded
@@ -416,6 +416,11 @@ class FrameRing:
             return self._limit
 
     @property
+    def pixel_format(self) -> str:
+        """What its slots hold: "rgb24" or "nv12" (its storage's; FrameMeta.pixel_format of its frames)."""
+        return self._storage.pixel_format
+
+    @property
     def pool(self) -> str:
         return self._acct.pool
 
@@ -550,9 +555,9 @@ class FrameRing:
             self._notify()
         return True
 
-    def notify(self) -> None:
-        """Wake the consumer (the engine core): frames were committed with notify=False."""
-        self._notify()
+    def notify(self, frames: int = 1) -> None:
+        """Tell the consumer (the engine core) that `frames` frames were committed with notify=False."""
+        self._notify(frames)
 
     def written_event(self, slot: int) -> Any:
         """The remote writer's event for a lent slot's copy (CUDA IPC slots), which the caller polls with query()
@@ -586,6 +591,8 @@ class FrameRing:
             if n > 0 and not self._closed:
                 self._acct.ingest(self.stream, n)
                 self._acct.drop(self.stream, reason, n)
+                if reason is DropReason.DEADLINE:
+                    self._acct.late_at_source(self.stream, n)
                 self.at_source += n
                 if reason is DropReason.RING_FULL:
                     self.overwrites += n

@@ -10,8 +10,11 @@ slot i. Four implementations:
     streams held ~3 GB locked, outside ring.total_memory_mb's count).
   * DeviceSlots: uint8 (H * 3 // 2, W) NV12 tensors in GPU memory. NVDEC frames land here with a
     device-to-device copy on the ring's own CUDA stream: no pixel crosses the host.
-  * SharedHostSlots: the same RGB slots in a shared-memory segment the core created, written by an ingest
-    process (engine/ingest, issue 33); the core only reads them.
+  * SharedHostSlots: host slots in a shared-memory segment the core created, written by an ingest process
+    (engine/ingest, issue 33); the core only reads them. RGB, or (H * 3 // 2, W) NV12 for a stream whose pool
+    converts NV12 itself or reads no pixels (the stream table's choice, stream_table.py `_pixel_format`): the
+    decoder then skips the colour conversion, which was half of a 240p frame's decode cost, and half the bytes
+    cross.
   * DeviceSharedSlots: NV12 slots in a CUDA block the core created and exported to an ingest process (CUDA IPC,
     engine/ingest/cuda_slots.py; not run on a GPU yet), ordered by interprocess events; the core only reads them.
 Only engine/frames, the ingest processes and the model runners touch pixels.
@@ -185,7 +188,10 @@ class SharedHostSlots(SlotStorage):
     long as one view of it lives, so an older segment counts whole (`kept_bytes`) until its last frame is released,
     and `close()` drops the current one once the closed ring's slots are all freed (issue 41 item 7b)."""
 
-    def __init__(self):
+    def __init__(self, pixel_format: str = "rgb24"):
+        if pixel_format not in ("rgb24", "nv12"):
+            raise ValueError(f"pixel format {pixel_format!r}: use rgb24 or nv12")
+        self.pixel_format = pixel_format
         self._tensors: list[Optional[torch.Tensor]] = []
         self._shapes: list[Optional[tuple[int, int]]] = []  # each slot's (h, w): read per frame, no torch call
         self._segs: list[Any] = []  # each slot's segment (the one its view maps), None when freed
@@ -196,6 +202,8 @@ class SharedHostSlots(SlotStorage):
 
     def map(self, segment: Any) -> None:
         """The ring's current segment (an engine.ingest.slots.Segment): slots allocated from now on view it."""
+        if getattr(segment, "pixel_format", "rgb24") != self.pixel_format:
+            raise ValueError(f"a {segment.pixel_format} segment for {self.pixel_format} slots")
         self.segment = segment
         self._views = list(torch.from_numpy(segment.array).unbind(0))
 
@@ -211,7 +219,12 @@ class SharedHostSlots(SlotStorage):
         self._shapes = [None] * n
         self._segs = [None] * n
 
+    def frame_bytes(self, h: int, w: int) -> int:
+        return h * w * 3 // 2 if self.pixel_format == "nv12" else h * w * 3
+
     def frame_size(self, frame: Any) -> tuple[int, int]:
+        if self.pixel_format == "nv12":
+            return host_nv12_size(frame)
         return HostSlots.frame_size(self, frame)
 
     def allocate(self, slot: int, h: int, w: int) -> None:
@@ -255,6 +268,15 @@ class SharedHostSlots(SlotStorage):
 
     def count(self) -> int:
         return len(self._tensors)
+
+
+def host_nv12_size(frame: Any) -> tuple[int, int]:
+    """(h, w) of an (H * 3 // 2, W) uint8 NV12 numpy frame (a CPU decoder's, streams/pyav.py). ValueError otherwise."""
+    if isinstance(frame, np.ndarray) and frame.ndim == 2 and frame.dtype == np.uint8 and frame.shape[0] % 3 == 0 \
+            and frame.shape[1] % 2 == 0:
+        return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
+    what = f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__
+    raise ValueError(f"decoder produced {what}, expected an NV12 uint8 numpy array of (H * 3 // 2, W) with even H, W")
 
 
 def host_frame(h: int, w: int) -> torch.Tensor:

@@ -130,8 +130,8 @@ class IngestHub:
                 if pending.held:
                     pending.poll()
                 if self.leases.to_wake is not None:  # every ring shares the core's wake: once for the batch
-                    self.leases.to_wake.notify()
-                    self.leases.to_wake = None
+                    self.leases.to_wake.notify(self.leases.to_wake_frames)
+                    self.leases.to_wake, self.leases.to_wake_frames = None, 0
                 self._apply_inbox(credit)
                 self.leases.top_up(credit)
                 now = time.monotonic()

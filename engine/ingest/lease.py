@@ -34,6 +34,7 @@ class RemoteIngest:
         self.reconnects = 0
         self.seq = 0
         self.process = "starting"   # "ingest-2 (pid 1234)": where it decodes (list, the view)
+        self.lag_s: Optional[float] = None  # behind its camera, as its process last said (StreamState.lag_s)
         self.attempts: deque = deque(maxlen=64)
         self.backoff: deque = deque(maxlen=64)
         self._ended = threading.Event()

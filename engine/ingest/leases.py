@@ -46,6 +46,7 @@ class Leases:
         self.bad_messages = 0        # messages that named a slot or a type we do not know
         self.restarts = 0            # ingest processes that died and whose streams were placed again
         self.to_wake: Optional[FrameRing] = None  # a ring committed to since the core was last woken
+        self.to_wake_frames = 0  # frames committed since then
 
     # -- the core thread ---------------------------------------------------------------------------------------
     def add(self, scfg: StreamConfig, ring: FrameRing, source: Any, fanout: tuple[FrameRing, ...] = ()) -> RemoteIngest:
@@ -114,6 +115,7 @@ class Leases:
         if lease.ring.commit(msg.slot, meta, notify=False):
             self._fan_out(lease, msg.slot, metas)
             self.to_wake = lease.ring
+            self.to_wake_frames += 1
             if lease.remote.state == "starting":  # its first frame: running now, not at the next heartbeat
                 lease.remote.state = "running"
             lease.next_seq = max(lease.next_seq, msg.seq + 1)
@@ -174,6 +176,7 @@ class Leases:
         # a restarted process counts its stream's reconnects from 0: added to those of its earlier processes
         r.total_frames, r.reconnects = msg.total_frames, lease.reconnects_before + msg.reconnects
         r.source.decode_errors = msg.decode_errors
+        r.lag_s = msg.lag_s
         if msg.decode_device:
             r.source.decode_device = msg.decode_device
         lease.next_seq = max(lease.next_seq, msg.seq)
@@ -208,7 +211,7 @@ class Leases:
         lease.segments_made += 1
         name = segment_name(self._run, lease.stream, lease.segments_made)
         try:
-            seg = Segment(name, n, h, w, create=True)
+            seg = Segment(name, n, h, w, create=True, pixel_format=lease.ring.pixel_format)
         except OSError as err:
             if err.errno in (errno.EMFILE, errno.ENFILE) and not isinstance(err, ShmSpaceError):
                 self._short_of_descriptors(lease, h, w, err)  # a flood of connections, say: retried
@@ -329,7 +332,7 @@ class Leases:
         ic, src = self.cfg, self.cfg.source
         cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),
                                      src.model_dump(mode="json"), ic.ring.max_frame_pixels,
-                                     ic.budget.latency_ms / 1e3, lease.next_seq)]
+                                     ic.budget.latency_ms / 1e3, lease.next_seq, lease.ring.pixel_format)]
         seg = lease.segment
         if seg is not None:  # a restart: the same slots, lent again under the new generation
             cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),

@@ -70,8 +70,10 @@ class RemoteRing:
     (ring_full, reported in every FrameReady and StreamState). Offline: waits for a credit, so back-pressure
     reaches the decoder. A new frame size asks the core for new slots (Geometry) and drops its credits."""
 
-    def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int, run: str = ""):
+    def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int, run: str = "",
+                 pixel_format: str = "rgb24"):
         self.stream, self.live, self._send, self._max_pixels, self._run = stream, live, send, max_frame_pixels, run
+        self.pixel_format = pixel_format  # of the host frames and slots (AddStream.pixel_format, slots.slot_shape)
         self._cond = threading.Condition()
         self._gen = gen
         self._credits: deque[int] = deque()
@@ -97,7 +99,7 @@ class RemoteRing:
             seg: Any = cuda_slots.AttachedSlots.open(msg, self._cuda)
         else:
             check_name(msg.name, self._run, self.stream)  # ValueError: the caller refuses the Slots
-            seg = Segment(msg.name, msg.count, msg.h, msg.w, create=False)
+            seg = Segment(msg.name, msg.count, msg.h, msg.w, create=False, pixel_format=self.pixel_format)
         with self._cond:
             self._segment, self._gen = seg, msg.gen
             self._credits.clear()  # the core took every lent slot back with this geometry
@@ -176,11 +178,15 @@ class RemoteRing:
             if frame.dim() == 2 and frame.dtype == torch.uint8 and frame.shape[0] % 3 == 0 and frame.shape[1] % 2 == 0:
                 return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
             expected = "an NV12 uint8 tensor of (H * 3 // 2, W) with even H and W"
-        elif ready is None and isinstance(frame, np.ndarray) and frame.ndim == 3 and frame.shape[2] == 3 \
-                and frame.dtype == np.uint8:
+        elif ready is None and self.pixel_format == "rgb24" and isinstance(frame, np.ndarray) and frame.ndim == 3 \
+                and frame.shape[2] == 3 and frame.dtype == np.uint8:
             return int(frame.shape[0]), int(frame.shape[1])
+        elif ready is None and self.pixel_format == "nv12" and isinstance(frame, np.ndarray) and frame.ndim == 2 \
+                and frame.dtype == np.uint8 and frame.shape[0] % 3 == 0 and frame.shape[1] % 2 == 0:
+            return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
         else:
-            expected = "an HxWx3 uint8 numpy array (rgb24) or an NV12 uint8 CUDA tensor"
+            expected = ("an (H * 3 // 2, W) uint8 NV12 numpy array" if self.pixel_format == "nv12" else
+                        "an HxWx3 uint8 numpy array (rgb24)") + " or an NV12 uint8 CUDA tensor"
         what = f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__
         raise SourceError(self.stream, f"decoder produced {what}, expected {expected}")
 
@@ -203,7 +209,7 @@ def _state(s: IngestThread, gen: int, final: bool = False) -> wire.StreamState:
     src = s.source
     return wire.StreamState(s.stream, gen, s.state, s.failed, wire.clip(s.end_reason), s.total_frames, s.reconnects,
                             src.decode_errors, s.seq, s.ring.dropped, src.decode_device, wire.clip(src.decode_reason),
-                            final, s.ring.expired)
+                            final, s.ring.expired, s.lag_s)
 
 
 class _Child:
@@ -228,8 +234,11 @@ class _Child:
             self.refuse(msg, err.reason)
             return
         try:
+            if msg.pixel_format not in source.host_formats:  # the core chose it from this source's kind
+                raise ValueError(f"pixel format {msg.pixel_format!r}: this source hands out {source.host_formats}")
+            source.pixel_format = msg.pixel_format
             ring = RemoteRing(scfg.id, live=live, gen=msg.gen, send=self._send, max_frame_pixels=msg.max_frame_pixels,
-                              run=self.run)
+                              run=self.run, pixel_format=msg.pixel_format)
             t = _Stream(source, ring, live=live, loop=scfg.loop, budget_s=msg.budget_s, emit=emit,
                         reconnect_initial_s=src.reconnect_initial_s, reconnect_max_s=src.reconnect_max_s,
                         backoff_reset_after_s=src.backoff_reset_after_s, on_end=self._ended)

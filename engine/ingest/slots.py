@@ -65,12 +65,27 @@ def shm_shortfall(needed_bytes: float) -> Optional[str]:
             "ingest.processes: 0 (decoders as threads in the engine process)")
 
 
-class Segment:
-    """n slots of (h, w, 3) uint8 in one file under /dev/shm; the creator's or an attacher's view."""
+PIXEL_FORMATS = ("rgb24", "nv12")
 
-    def __init__(self, name: str, count: int, h: int, w: int, *, create: bool):
+
+def slot_shape(pixel_format: str, h: int, w: int) -> tuple[int, ...]:
+    """One slot's array shape for frames of h x w: (h, w, 3) RGB, or (h * 3 // 2, w) NV12 (the Y plane, then the
+    interleaved UV plane: the layout NVDEC's frames and engine/models/colour.py use)."""
+    if pixel_format == "rgb24":
+        return (h, w, 3)
+    if pixel_format == "nv12":
+        return (h * 3 // 2, w)
+    raise ValueError(f"pixel format {pixel_format!r}: allowed: {', '.join(PIXEL_FORMATS)}")
+
+
+class Segment:
+    """n slots of one pixel format (slot_shape) in one file under /dev/shm; the creator's or an attacher's view."""
+
+    def __init__(self, name: str, count: int, h: int, w: int, *, create: bool, pixel_format: str = "rgb24"):
         self.name, self.count, self.h, self.w = name, count, h, w
-        self.frame_bytes = h * w * 3
+        self.pixel_format = pixel_format
+        shape = slot_shape(pixel_format, h, w)
+        self.frame_bytes = int(np.prod(shape))
         size = max(1, count * self.frame_bytes)
         path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -92,7 +107,7 @@ class Segment:
             raise
         finally:
             os.close(fd)
-        self.array = np.ndarray((count, h, w, 3), np.uint8, buffer=self._mmap)
+        self.array = np.ndarray((count, *shape), np.uint8, buffer=self._mmap)
         if create:
             self.array.fill(0)  # prefault: every page is touched now, not in a writer's first copy
 

@@ -92,6 +92,7 @@ class StreamState(_Msg):
     decode_reason: str = ""
     final: bool = False
     expired: int = 0             # dropped at the source past their deadline in this lease (cumulative)
+    lag_s: Optional[float] = None  # a live network stream: seconds behind its camera (streams/clock.py); else None
 
 
 # -- core -> ingest process (one PUSH socket per process) ------------------------------------------------
@@ -103,6 +104,7 @@ class AddStream(_Msg):
     max_frame_pixels: int
     budget_s: float
     start_seq: int
+    pixel_format: str = "rgb24"  # what the stream's frames are written as (slots.slot_shape): the core's choice
 
 
 class RemoveStream(_Msg):
@@ -110,7 +112,8 @@ class RemoveStream(_Msg):
 
 
 class Slots(_Msg):
-    """Attach the stream's segment `name` (generation `gen`): `count` slots of h x w x 3 bytes."""
+    """Attach the stream's segment `name` (generation `gen`): `count` slots of h x w in the stream's pixel format
+    (AddStream.pixel_format: slots.slot_shape)."""
     stream: str
     gen: int
     name: str

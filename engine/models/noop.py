@@ -16,6 +16,7 @@ from engine.models.base import ModelRunner
 
 
 class NoopRunner(ModelRunner):
+    accepts_nv12 = True  # it reads no pixels: its streams' frames are never converted to RGB (stream_table.py)
     def __init__(self, *, kind: str = "vit", latency_s: float = 0.0, per_frame_s: float = 0.0,
                  fail_on_batch: Optional[int] = None, hang_on_batch: Optional[int] = None):
         self.kind = kind

@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.frames.accounting import Accounting
 from engine.security.binds import is_loopback_host
+from engine.security.ports import MovedPort, in_use
 from engine.util.memory import heap_bytes
 
 log = logging.getLogger("vidar.metrics")
@@ -64,6 +65,12 @@ class _AccountingCollector:
             for stream, n in counters.get(name, {}).items():
                 fam.add_metric([stream], n)
             yield fam
+        lag = GaugeMetricFamily("vidar_stream_lag_seconds", "A live network stream's lag behind its camera: its last "
+                                "packet's arrival minus its time on the camera's clock (streams/clock.py)",
+                                labels=["stream"])
+        for stream, seconds in counters.get("lag_s", {}).items():
+            lag.add_metric([stream], seconds)
+        yield lag
         if "decoder_threads_stuck" in counters:
             stuck = CounterMetricFamily("vidar_decoder_threads_stuck", "Decoder threads of removed streams still "
                                         "blocked after the reap bound (a read that cannot be interrupted), let go")
@@ -140,6 +147,7 @@ class Metrics:
                                ["pool", "stage"], buckets=_BUCKETS, registry=self.registry)
         self._children: dict[tuple[str, str], Any] = {}  # (pool, stage) -> the histogram's child
         self._server = None
+        self.moved: Optional[MovedPort] = None  # the default port was taken: served on a free one instead
 
     def observe(self, pool: str, stage: str, seconds: float) -> None:
         # labels() builds a key and takes the metric's lock on every call (~2 us, twice a frame, measured by
@@ -150,11 +158,16 @@ class Metrics:
             child = self._children[(pool, stage)] = self.stage.labels(pool, stage)
         child.observe(seconds)
 
-    def serve(self, host: str, port: int, token: Optional[str] = None) -> None:
+    def serve(self, host: str, port: int, token: Optional[str] = None, *, movable: bool = False) -> None:
         """Serve /metrics on its own threads. Without a token, requests must name a loopback host (a
-        DNS-rebinding page gets 403, as from the view); with one, they carry `Authorization: Bearer`."""
-        self._server = serve_registry(self.registry, host, port, token)
-        log.info("metrics on http://%s:%d/metrics%s", host, self._server.server_port,
+        DNS-rebinding page gets 403, as from the view); with one, they carry `Authorization: Bearer`.
+        `movable`: metrics.port is its default, left unset: taken, it moves to a port the OS picks
+        (engine/security/ports.py), and `moved` says so."""
+        self._server = serve_registry(self.registry, host, port, token, movable=movable)
+        if movable and self._server.server_port != port and port != 0:
+            self.moved = MovedPort("metrics.port", _http_url(host, port), _http_url(host, self._server.server_port))
+            log.warning("%s", self.moved.note())
+        log.info("metrics on %s%s", _http_url(host, self._server.server_port),
                  " (Authorization: Bearer <metrics.token>)" if token else "")
 
     @property
@@ -282,15 +295,29 @@ class _Server(ThreadingWSGIServer):
             self._forget(request)
 
 
-def serve_registry(registry: CollectorRegistry, host: str, port: int, token: Optional[str] = None) -> "_Server":
+def serve_registry(registry: CollectorRegistry, host: str, port: int, token: Optional[str] = None, *,
+                   movable: bool = False) -> "_Server":
     """/metrics of `registry` on its own threads, guarded (the engine's and a cluster head's). A port that
-    cannot be bound is a ConfigError naming metrics.port."""
-    from engine.errors import ConfigError
+    cannot be bound is a BindError naming metrics.port; `movable` (the default port, left unset): a taken port
+    is served on one the OS picks instead."""
+    from engine.errors import BindError
+    app = _guard(make_wsgi_app(registry), token)
     try:
-        return _serve_guarded(host, port, _guard(make_wsgi_app(registry), token))
+        try:
+            return _serve_guarded(host, port, app)
+        except OSError as err:
+            if not (movable and in_use(err)):
+                raise
+            return _serve_guarded(host, 0, app)
     except OSError as err:
-        raise ConfigError(f"metrics.port: cannot serve on {host}:{port}: {err} "
-                          "(set metrics.port to a free port or metrics.enabled: false)") from None
+        raise BindError("metrics.port", f"{host}:{port}",
+                        f"metrics.port: cannot serve on {host}:{port}: {err} (another vidar running? set "
+                        "metrics.port to a free port, or leave it unset: its default moves to a free port when "
+                        "taken; or metrics.enabled: false)") from None
+
+
+def _http_url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
 
 def _serve_guarded(host: str, port: int, app) -> _Server:

@@ -46,6 +46,7 @@ import zmq
 from engine.frames.accounting import Accounting
 from engine.publish.delivery import Delivery, Sent
 from engine.security.binds import zmq_ipv6
+from engine.security.ports import MovedPort, in_use, zmq_any_port
 from engine.security.sockets import guard_socket
 from engine.config import PublishConfig
 from engine.frames.lifecycle import DropReason, FailReason, FrameMeta
@@ -102,8 +103,11 @@ class PublisherStats:
 
 class Publisher:
     def __init__(self, cfg: PublishConfig, *, ctx: Optional[zmq.Context] = None,
-                 on_publish_latency: Callable[[float], None] = lambda s: None, curve=None):
+                 on_publish_latency: Callable[[float], None] = lambda s: None, curve=None, movable: bool = False):
+        """`movable`: publish.endpoint is its default, left unset: taken, it moves to a port the OS picks
+        (engine/security/ports.py), and `moved` says so."""
         self.cfg = cfg
+        self.moved: Optional[MovedPort] = None
         self._ctx = ctx or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.XPUB)
         self._sock.setsockopt(zmq.SNDHWM, cfg.hwm)
@@ -119,13 +123,22 @@ class Publisher:
         # socket monitor reports each accepted connection and its end, by file descriptor (before bind: all)
         self._delivery = Delivery(self._sock, f"publisher {cfg.endpoint}")
         try:
-            self._sock.bind(cfg.endpoint)
+            try:
+                self._sock.bind(cfg.endpoint)
+            except zmq.ZMQError as err:
+                if not (movable and in_use(err)):
+                    raise
+                self._sock.bind(zmq_any_port(cfg.endpoint))
+                self.moved = MovedPort("publish.endpoint", cfg.endpoint, self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                log.warning("%s", self.moved.note())
         except zmq.ZMQError as err:
             self._delivery.close()
             self._sock.close(0)
-            from engine.errors import ConfigError
-            raise ConfigError(f"publish.endpoint: cannot bind {cfg.endpoint!r}: {err} "
-                              "(another vidar running? pick another port)") from None
+            from engine.errors import BindError
+            raise BindError("publish.endpoint", cfg.endpoint,
+                            f"publish.endpoint: cannot bind {cfg.endpoint!r}: {err} (another vidar running? set "
+                            "publish.endpoint to a free port, or leave it unset: its default moves to a free port "
+                            "when taken)") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._delivery.name = f"publisher {self.endpoint}"
         self._peer_count = 0

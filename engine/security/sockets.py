@@ -17,8 +17,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.errors import ConfigError
+from engine.errors import BindError
 from engine.security.binds import ZMQ_HANDSHAKE_MS, zmq_ipv6
+from engine.security.ports import MovedPort, in_use, zmq_any_port
 from engine.security.peers import PeerWatch
 
 log = logging.getLogger("vidar.control")
@@ -49,6 +50,7 @@ class ControlSocket:
     sock: object
     endpoint: str
     watch: PeerWatch
+    moved: Optional[MovedPort] = None  # the default endpoint was taken: bound on a free port instead
     pending: Optional[list] = None   # the envelope of the request being handled (answered if the task died)
     malformed: int = 0               # requests refused for their shape (not one msgpack part after a delimiter)
     logged_at: float = field(default=-1e9)
@@ -59,8 +61,10 @@ class ControlSocket:
 
 
 def bind_control_socket(endpoint: str, max_message_bytes: int, *, curve=None, ctx=None,
-                        key: str = "control.endpoint") -> ControlSocket:
-    """A control socket, bound now (at start-up: a busy port is a configuration error, exit 2)."""
+                        key: str = "control.endpoint", movable: bool = False) -> ControlSocket:
+    """A control socket, bound now (at start-up: a busy port is a configuration error, exit 2). `movable`: the
+    endpoint is the key's default, left unset: taken, it moves to a port the OS picks (engine/security/ports.py),
+    and `ControlSocket.moved` says so."""
     import zmq
 
     sock = (ctx or zmq.Context.instance()).socket(zmq.ROUTER)
@@ -69,13 +73,25 @@ def bind_control_socket(endpoint: str, max_message_bytes: int, *, curve=None, ct
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)  # larger message parts are cut off by ZeroMQ itself
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IPV6, zmq_ipv6(endpoint))
+    moved = None
     try:
-        sock.bind(endpoint)
+        try:
+            sock.bind(endpoint)
+            bound = endpoint
+        except zmq.ZMQError as err:
+            if not (movable and in_use(err)):
+                raise
+            sock.bind(zmq_any_port(endpoint))
+            bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            moved = MovedPort(key, endpoint, bound)
+            log.warning("%s", moved.note())
     except zmq.ZMQError as err:
         watch.close()
         sock.close(0)
-        what = "control.enabled: false" if key == "control.endpoint" else "another port"
-        raise ConfigError(f"{key}: cannot bind {endpoint!r}: {err} (another vidar running? pick another port, "
-                          f"or {what})") from None
-    log.info("control socket on %s", endpoint)
-    return ControlSocket(sock, endpoint, watch)
+        fix = (" (or leave it unset: its default moves to a free port when taken), or control.enabled: false"
+               if key == "control.endpoint" else "")
+        raise BindError(key, endpoint, f"{key}: cannot bind {endpoint!r}: {err} (another vidar running? set {key} "
+                                       f"to a free port{fix})") from None
+    watch.name = f"control socket {bound}"
+    log.info("control socket on %s", bound)
+    return ControlSocket(sock, bound, watch, moved=moved)

@@ -30,9 +30,12 @@ def write_clip(path: Path, frames: int, size=(320, 240), fps: int = 30, *, seed:
 
 
 def decode_all(path: Path) -> list[np.ndarray]:
-    """Every frame of the file's first video stream, as RGB arrays."""
+    """Every frame of the file's first video stream, as RGB arrays converted as vidar's CPU decoder converts them
+    (streams/convert.py; its agreement with swscale is tests/streams/test_convert.py's)."""
+    from streams.convert import to_rgb
+
     with av.open(str(path)) as c:
-        return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+        return [to_rgb(f) for f in c.decode(video=0)]
 
 
 def _mdat(data: bytes) -> tuple[int, int]:

@@ -52,7 +52,8 @@ from streams import redact_url
 
 from engine.config import ViewConfig
 from engine.security.binds import is_loopback_host
-from engine.errors import ConfigError
+from engine.errors import BindError
+from engine.security.ports import MovedPort, in_use, left_default
 from engine.executor.supervise import SupervisedTask
 
 log = logging.getLogger("vidar.view")
@@ -76,6 +77,7 @@ class ViewServer:
         self._state: dict = {"type": "state", "streams": {}}
         self._task: Optional[SupervisedTask] = None
         self.port: Optional[int] = None
+        self.moved: Optional[MovedPort] = None  # view.port's default was taken: served on a free port instead
         self.skipped = 0  # frames a slow page did not get (it got a newer one instead)
         self._gate: Optional[_Gate] = None
         self._internal_errors = 0
@@ -122,12 +124,25 @@ class ViewServer:
         # the kernel drop SYNs in a burst of clients (a 1 s retransmit for each, well-behaved ones too)
         site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, shutdown_timeout=1.0)
         try:
-            await site.start()
+            try:
+                await site.start()
+            except OSError as err:  # the default port, left unset and taken: one the OS picks (security/ports.py)
+                if not (in_use(err) and left_default(self.cfg, "port")):
+                    raise
+                await site.stop()
+                site = web.TCPSite(self._runner, self.cfg.host, 0, shutdown_timeout=1.0)
+                await site.start()
         except OSError as err:
             await self._runner.cleanup()
-            raise ConfigError(f"view.port: cannot serve on {self.cfg.host}:{self.cfg.port}: {err} "
-                              "(set view.port to a free port, or view.enabled: false)") from None
+            raise BindError("view.port", f"{self.cfg.host}:{self.cfg.port}",
+                            f"view.port: cannot serve on {self.cfg.host}:{self.cfg.port}: {err} (another vidar "
+                            "running? set view.port to a free port, or leave it unset: its default moves to a free "
+                            "port when taken; or view.enabled: false)") from None
         self.port = site._server.sockets[0].getsockname()[1]  # aiohttp has no public accessor for port 0
+        if self.port != self.cfg.port and self.cfg.port != 0:
+            host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+            self.moved = MovedPort("view.port", f"http://{host}:{self.cfg.port}/", self.url)
+            log.warning("%s", self.moved.note())
         self._task = SupervisedTask("live view state", self._tick)
 
     def health(self) -> Optional[str]:

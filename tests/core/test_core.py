@@ -174,10 +174,13 @@ def test_a_streams_state_says_where_its_video_is_decoded_and_why(endpoint, clip4
 
     class Nv12Runner(NoopRunner):
         accepts_nv12 = True
+
+    class RgbRunner(NoopRunner):
+        accepts_nv12 = False  # a pool that reads RGB (the null pool itself reads no pixels: it takes NV12)
     streams = [{"id": "auto", "url": str(clip48), "mode": "offline"},
                {"id": "cpu", "url": str(clip48), "mode": "offline", "decode": "cpu"}]
     seen = {}
-    for name, runner in (("nv12", Nv12Runner()), ("rgb", NoopRunner())):
+    for name, runner in (("nv12", Nv12Runner()), ("rgb", RgbRunner())):
         eng = Engine(engine_config(streams, endpoint), models={"classify": runner})
         eng.start()
         try:
@@ -192,7 +195,7 @@ def test_a_streams_state_says_where_its_video_is_decoded_and_why(endpoint, clip4
     forced = engine_config([{"id": "gpu", "url": str(clip48), "mode": "offline", "decode": "cuda"}], endpoint)
     with pytest.raises(ConfigError, match=r"streams\.0 \(gpu\): stream\.decode: cuda, but pool\(s\) \['classify'\] "
                                           r"read RGB frames only .*set decode: cpu or auto"):
-        Engine(forced, models={"classify": NoopRunner()}).start()
+        Engine(forced, models={"classify": RgbRunner()}).start()
 
 
 def test_an_aborting_stop_waits_for_the_batch_a_worker_runs(endpoint):

@@ -193,3 +193,16 @@ def test_a_send_that_finds_the_core_gone_calls_on_gone_first():
         assert gone == [True]
     finally:
         theirs.close()
+
+
+def test_a_stream_state_carries_its_lag_and_one_without_it_still_decodes():
+    """StreamState.lag_s (a live network stream's lag behind its camera) was added last, with a default: a message
+    of a process from before it decodes as "not known", and a process's lag reaches the stream the engine lists."""
+    old = wire.StreamState("cam", 3, "running", False, "", None, 0, 0, 10, 0, "cpu", "", False, 2)
+    assert wire.decode(wire.encode(old)).lag_s is None
+    new = wire.StreamState("cam", 3, "running", False, "", None, 0, 0, 10, 0, "cpu", "", False, 2, 0.75)
+    assert wire.decode(wire.encode(new)) == new and wire.encode(old) != wire.encode(new)
+    thread = SimpleNamespace(stream="cam", state="running", failed=False, end_reason="", total_frames=None,
+                             reconnects=0, seq=10, lag_s=0.75, source=SimpleNamespace(decode_errors=0,
+                             decode_device="cpu", decode_reason=""), ring=SimpleNamespace(dropped=0, expired=2))
+    assert ingest_process._state(thread, 3) == new

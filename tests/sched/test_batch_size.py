@@ -90,7 +90,9 @@ def test_a_fixed_max_batch_is_not_swept(endpoint):
     eng = Engine(cfg, models={"classify": runner})
     eng.start()
     try:
-        assert runner.asked == [[1, 4]] and eng.pools["classify"].scheduler.max_batch == 4
+        # batch 1 three times first: the unset budget is chosen from it on a CPU (engine/sched/budget_auto.py);
+        # then the fixed size once, no sweep
+        assert runner.asked == [[1], [1], [1], [4]] and eng.pools["classify"].scheduler.max_batch == 4
         assert eng.pools["classify"].batch_choice is None
     finally:
         eng.stop()

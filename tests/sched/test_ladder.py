@@ -183,3 +183,46 @@ def test_ladder_off_never_samples(endpoint, ladder):
         eng.stop()
     assert s.dropped.get("interval", 0) == 0 and s.dropped.get("superseded", 0) > 0
     assert eng.pools["classify"].qos.state()["rung"] == 0
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("where, steps", [("source", False), ("scheduler", True)])
+def test_frames_late_at_their_source_do_not_thin_the_pool(where, steps):
+    """Deadline drops at the source (decoded past the deadline, or skipped to the live edge: the ingest fell behind)
+    are not the pool's load: the ladder stays; the same share dropped for its deadline by the scheduler steps it."""
+    from engine.frames.accounting import Accounting
+    from engine.frames.lifecycle import DropReason
+    from engine.frames.ring import FrameRing
+    from engine.sched.qos import PoolQos
+
+    acct = Accounting("p")
+    ring = FrameRing("s", live=True, accounting=acct, memory_bytes=1 << 20, min_slots=2, max_slots=4,
+                     max_frame_pixels=64 * 64)
+    qos = PoolQos("p", Q, acct, levels=[], level_costs=None, emit=lambda *a: None)
+    qos.attach("s", live=True, max_interval=4)
+    stepped = []
+    for k in range(int(4 / TICK_S)):
+        now = k * TICK_S
+        if where == "source":
+            ring.drop_at_source(30, DropReason.DEADLINE)   # as IngestThread / the ingest process report them
+        else:
+            acct.ingest("s", 30)
+            acct.drop("s", DropReason.DEADLINE, 30)
+        acct.ingest("s", 30)  # and as many frames that got through
+        for _ in range(30):
+            acct.publish("s", 1.0)
+        if qos.step(now, busy_s=now, workers=1) is not None:
+            stepped.append(now)
+    assert bool(stepped) is steps
+
+
+@pytest.mark.timeout(10)
+def test_drops_with_idle_workers_do_not_thin_the_pool():
+    """Thinning relieves the workers: drops while they are mostly idle (the host's cores went to decoding) do not
+    step the ladder; the same drops with the workers busy do."""
+    idle = Feed(Ladder(Q, max_interval=4))
+    idle.run(6.0, offered_per_s=60, drop_share=0.6, busy_share=Q.restore_load - 0.2)
+    assert idle.steps == []
+    busy = Feed(Ladder(Q, max_interval=4))
+    busy.run(6.0, offered_per_s=60, drop_share=0.6, busy_share=Q.restore_load + 0.1)
+    assert [s.direction for _, s in busy.steps][:1] == ["degraded"]

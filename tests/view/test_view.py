@@ -652,3 +652,27 @@ def test_each_page_gets_frames_at_the_largest_size_asked_over_the_websocket(endp
     finally:
         view.close()
         eng.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_network_streams_lag_behind_its_camera_is_in_the_api_and_the_page_state(endpoint, tmp_path):
+    """The lag behind the live edge (streams/clock.py) reaches the stream list of the API and the page's state:
+    a number for a live network stream, null for a synthetic one (it has no camera to be behind)."""
+    from tests.support.live_camera import start_camera
+    cam = start_camera(tmp_path)
+    try:
+        eng, view = _view_engine(endpoint, [{"id": "cam", "url": cam.url},
+                                            {"id": "syn", "url": "synthetic://shapes?size=64x48&fps=30"}])
+        try:
+            listed = lambda: json.loads(http(view.url + "api/streams")[1])["streams"]  # noqa: E731
+            assert wait_for(lambda: listed()["cam"]["lag_s"] is not None, 15.0, 0.05), listed()
+            streams = listed()
+            assert 0 <= streams["cam"]["lag_s"] < 2.0 and streams["syn"]["lag_s"] is None  # 2 s: its budget
+            states, _ = watch(view.url, ["cam"], 1.5)
+            state = states[-1]["streams"]
+            assert isinstance(state["cam"]["lag_s"], float) and state["syn"]["lag_s"] is None
+        finally:
+            view.close()
+            eng.stop()
+    finally:
+        cam.stop()

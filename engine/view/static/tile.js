@@ -28,6 +28,7 @@ export class Tile {
         onRemove && h("button", { class: "remove-stream", title: `remove stream ${id}`, onclick: () => onRemove(id) },
           "Remove")),
       this.url = h("div", { class: "url" }),
+      this.lag = h("div", { class: "lag", hidden: true }),
       this.reason = h("div", { class: "reason", hidden: true }),
       this.view = h("div", { class: "view" }, this.canvas,
         this.behind = h("div", { class: "behind", hidden: true }),
@@ -132,6 +133,7 @@ export class Tile {
     this.reason.hidden = !why;
     this.reason.textContent = why || "";
     this.showBehind(s.view || {}, msg.budget_ms);
+    this.showLag(s.lag_s, msg.budget_ms);
     const names = Object.keys(s.pools || {});
     for (const [name, p] of Object.entries(s.pools || {})) this.pool(name).update(p, msg);
     for (const [name, el] of this.pools) {
@@ -146,6 +148,16 @@ export class Tile {
     const lagging = n > 0 && (secs ?? 0) * 1000 > budgetMs;
     this.behind.hidden = !lagging;
     this.behind.textContent = lagging ? `${n} frame${n === 1 ? "" : "s"} / ${(secs ?? 0).toFixed(1)} s behind live` : "";
+  }
+
+  /** A live network stream: how far behind its camera its packets are read (the lag behind the live edge).
+   * Past the latency budget its frames are dropped as deadline and it skips ahead to a keyframe: shown in
+   * the warning colour then. Other streams (files, synthetic) have no lag: hidden. */
+  showLag(lag, budgetMs = 0) {
+    const known = typeof lag === "number";
+    this.lag.hidden = !known;
+    this.lag.textContent = known ? `behind live: ${lag < 1 ? `${Math.round(lag * 1000)} ms` : `${lag.toFixed(1)} s`}` : "";
+    this.lag.classList.toggle("bad", known && lag * 1000 > budgetMs);
   }
 
   pool(name) {

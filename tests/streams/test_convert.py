@@ -1,0 +1,72 @@
+"""streams/convert.py: a CPU-decoded frame as the ring takes it (RGB through OpenCV or swscale; NV12 unconverted),
+and the decoder's thread count for small live frames."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.models.colour import nv12_to_rgb
+from streams import convert
+from streams.pyav import NetworkSource
+from tests.support.colour import nv12_of, tagged_frames
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("matrix, range_", [(None, None), ("bt601", "limited")])
+def test_rgb_of_bt601_limited_goes_through_opencv_and_matches_swscale(monkeypatch, matrix, range_):
+    frames = tagged_frames(matrix, range_, n=2)
+    calls = []
+    real = convert.cv2.cvtColor
+    monkeypatch.setattr(convert.cv2, "cvtColor", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for f in frames:
+        ours, ref = convert.to_rgb(f), f.to_ndarray(format="rgb24")
+        assert ours.shape == ref.shape and ours.dtype == np.uint8
+        d = np.abs(ours.astype(int) - ref.astype(int))
+        assert d.max() <= 4 and d.mean() < 1.5, (d.max(), d.mean())  # swscale's own rounding (below)
+        # against the exact BT.601 conversion of the same planes, OpenCV is the closer of the two
+        nv, colour = convert.to_nv12(f)
+        exact = nv12_to_rgb(torch.from_numpy(nv).unsqueeze(0), *colour)[0].permute(1, 2, 0).numpy()
+        assert np.abs(ours - exact).mean() < 0.5 < np.abs(ref - exact).mean()
+    assert len(calls) == len(frames)  # the fast path was taken
+
+
+@pytest.mark.parametrize("matrix, range_", [("bt709", "limited"), ("bt601", "full"), ("bt709", "full")])
+def test_rgb_of_other_tags_is_swscale_exactly(monkeypatch, matrix, range_):
+    monkeypatch.setattr(convert.cv2, "cvtColor", lambda *a, **k: pytest.fail("OpenCV converts BT.601 limited only"))
+    for f in tagged_frames(matrix, range_, n=2):
+        assert np.array_equal(convert.to_rgb(f), f.to_ndarray(format="rgb24"))
+
+
+@pytest.mark.parametrize("matrix, range_", [(None, None), ("bt709", "limited"), ("bt601", "full")])
+def test_nv12_is_the_decoded_planes_unconverted_with_their_colour(matrix, range_):
+    for f in tagged_frames(matrix, range_, n=2, size=(96, 64)) + tagged_frames(matrix, range_, n=1, size=(96, 66)):
+        ours, colour = convert.to_nv12(f)
+        assert ours.shape == (f.height * 3 // 2, 96) and ours.dtype == np.uint8
+        # the planes, byte for byte (66 rows: U and V end mid-row of the packed I420 array; swscale's repack is exact)
+        ref = nv12_of(f) if f.height % 4 == 0 else torch.from_numpy(f.reformat(format="nv12").to_ndarray())
+        assert torch.equal(torch.from_numpy(ours), ref)
+        assert colour == ((matrix or "bt601"), (range_ or "limited"))
+        # and the pool's conversion of it is the RGB a decoder would have made (engine/models/colour.py)
+        rgb = nv12_to_rgb(torch.from_numpy(ours).unsqueeze(0), *colour)[0].round().clamp(0, 255)
+        ref = torch.from_numpy(f.to_ndarray(format="rgb24")).permute(2, 0, 1).float()
+        assert (rgb - ref).abs().mean() < 1.5
+
+
+def test_nv12_of_odd_sizes_and_other_formats_goes_through_swscale():
+    f = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(format="yuv444p")
+    ours, _ = convert.to_nv12(f)
+    assert np.array_equal(ours, f.reformat(format="nv12").to_ndarray())
+    odd = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(width=63, height=47)
+    ours, _ = convert.to_nv12(odd)
+    assert ours.shape == (46 * 3 // 2, 62)
+
+
+@pytest.mark.parametrize("live, w, h, count", [(True, 320, 240, 1), (True, 640, 480, 0), (True, 1280, 720, 0),
+                                               (True, 0, 0, 0), (False, 320, 240, 0)])
+def test_a_small_live_frame_decodes_on_one_thread(live, w, h, count):
+    src = NetworkSource("cam", "rtsp://127.0.0.1:9/x")
+    src.live = live
+    assert src._thread_count(w, h) == count
