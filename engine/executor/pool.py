@@ -253,8 +253,10 @@ class Pool:
     def wake_slack(self) -> int:
         """After a step: how many more frames may become ready here without the core being woken for them. While an
         idle worker waits for a batch to fill (frames pending, fewer than max_batch), up to one short of a full
-        batch: the core steps at the batch's wait limit anyway (budget.max_batch_wait_ms, earlier if a deadline
-        needs it), and a wake-up a frame cost the thread that committed it a futex wake under the GIL (py-spy,
+        batch: the core steps at the batch's wait limit anyway (budget.max_batch_wait_ms, earlier if a pending
+        frame's deadline needs it), so a frame readied meanwhile waits at most that long (a frame that cannot wait
+        even that, less than max_batch_wait_ms from its deadline, may miss it), and a wake-up a frame cost the
+        thread that committed it a futex wake under the GIL (py-spy,
         16 RTSP cameras: ~40 % of the ingest I/O thread's GIL time). 0 otherwise: an empty pool (the first frame
         starts the wait), a batch already full, no idle worker (a finishing worker wakes the core itself)."""
         if not self.rings:

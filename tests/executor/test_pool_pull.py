@@ -277,3 +277,40 @@ def test_an_offline_ring_at_its_credit_keeps_its_frames_and_is_pulled_once_credi
     assert calls == []  # empty now: out of the set
     snap = pool.acct.snapshot("off")
     assert snap.ingested == 3 and snap.dropped == {"deadline": 3} and snap.balanced()
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("pending, idle, slack", [(0, True, 0), (1, True, 2), (3, True, 0), (4, True, 0),
+                                                  (2, False, 0)])
+def test_frames_that_cannot_fill_the_batch_being_waited_for_need_no_wake_up(make_pool, monkeypatch, pending, idle,
+                                                                            slack):
+    """Pool.wake_slack: while an idle worker waits for a batch of 4 to fill, the frames short of filling it may
+    arrive without waking the core (it steps at the wait's limit anyway); an empty pool, a full batch or no idle
+    worker: every frame wakes it."""
+    pool = make_pool()
+    assert pool.wake_slack() > 1000  # a pool no stream feeds never limits the others
+    _attach(pool, 1)
+    monkeypatch.setattr(pool.scheduler, "pending", lambda: pending)
+    monkeypatch.setattr(pool.slots, "idle", lambda: object() if idle else None)
+    assert pool.wake_slack() == slack
+
+
+@pytest.mark.timeout(10)
+def test_the_core_is_woken_by_the_frame_past_its_slack_and_by_anything_else_at_once():
+    from engine.core.loop import EngineCore
+
+    core = EngineCore({}, None, shutdown_timeout_s=1.0)
+    core._absorb = 2
+    core.frames_ready()
+    core.frames_ready()
+    assert not core._wake.is_set()  # two frames short of the batch: the step at the wait's limit takes them
+    core.frames_ready()
+    assert core._wake.is_set() and core._absorb == 0
+    core._wake.clear()
+    core._absorb = 2
+    core.frames_ready(3)  # a batch read at once that fills it
+    assert core._wake.is_set()
+    core._wake.clear()
+    core._absorb = 5
+    core.wake()  # a finishing worker, a control request: never absorbed
+    assert core._wake.is_set()
