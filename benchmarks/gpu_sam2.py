@@ -210,7 +210,7 @@ def boxes(width: int, height: int) -> dict[int, list[int]]:
 
 def first_frames(src: Path, n: int, dst: Path, fps: int) -> list[np.ndarray]:
     """The first n frames of src as RGB arrays, and written to dst as H.264 at `fps` (a clip the engine
-    can loop or read offline: the same pixels Meta's predictor is given)."""
+    can loop or read offline)."""
     import av
     from fractions import Fraction
 
@@ -362,7 +362,11 @@ def part_sam2(emit: Callable[..., None], *, clip: Path, dry: bool) -> None:
     ckpt = make_checkpoint(work / "sam2_biased.pt")  # the weights do not depend on the input size
     n_frames, warm = (6, 1) if dry else (48, 8)
     short = work / "clip_offline.mp4"
-    frames = first_frames(clip, n_frames, short, fps=30)
+    first_frames(clip, n_frames, short, fps=30)
+    # Meta's predictor is given the frames the engine decodes from that clip, converted as its CPU decoder converts
+    # them (engine/testing/clips.decode_all): the same pixels, so `exact` compares the trackers alone
+    from engine.testing.clips import decode_all
+    frames = decode_all(short)
     live_clips = {fps: work / f"clip_{fps}fps.mp4" for fps in (30, 60)}
     for fps, path in live_clips.items():  # cameras at 30 and 60 FPS, looped (3 s of the clip's frames)
         first_frames(clip, 8 if dry else 3 * fps, path, fps=fps)
