@@ -25,7 +25,7 @@ empty), two box prompts per stream on the 720p clip:
                  encoder), the encoder's batch times and the tracking calls' batch sizes: where the time goes
   sam2_render    one 720p frame's 2 masks rendered (resize, RLE, bbox): the run boundaries found on the GPU
                  (mask_rle.py) against the whole masks copied to the host for pycocotools, ms each
-The same offline and live records at 512 px follow. The dry run: 256 px, a few frames, one or two streams.
+The same offline and live records at 512 px follow. The dry run: 128 px, a few frames, one or two streams.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def part_sam2(emit: Callable[..., None], *, clip: Path, dry: bool) -> None:
     wh = (frames[0].shape[1], frames[0].shape[0])
     prompts = {o: {"box": b} for o, b in boxes(*wh).items()}
     emit("sam2_render", **render_times(device, reps=3 if dry else 30))
-    for size in ((256,) if dry else (1024, 512)):
+    for size in ((128,) if dry else (1024, 512)):
         timing: dict = {}
         emit("sam2_encoder", image_size=size, **encoder_times(ckpt, size, device, reps=2 if dry else 20))
         emit("sam2_attention", image_size=size, **attention_times(ckpt, size, device, reps=2 if dry else 20))
