@@ -65,15 +65,21 @@ def _get(url: str) -> int:
         return r.status
 
 
+def _engine_beside_a_holder(stack: ExitStack, key: str, explicit: bool) -> Engine:
+    """An engine (not started) whose `key` port another socket holds; both closed with `stack`."""
+    held = _hold(PORTS[key])
+    if held is not None:
+        stack.callback(held.close)
+    eng = Engine(_config(key, explicit=explicit), models={"noop": NoopRunner()})
+    stack.callback(eng.stop)
+    return eng
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("key", list(DEFAULTS))
 def test_a_default_port_that_is_taken_moves_and_is_said(key, caplog):
     with ExitStack() as stack:
-        held = _hold(PORTS[key])
-        if held is not None:
-            stack.callback(held.close)
-        eng = Engine(_config(key, explicit=False), models={"noop": NoopRunner()})
-        stack.callback(eng.stop)
+        eng = _engine_beside_a_holder(stack, key, explicit=False)
         with caplog.at_level(logging.WARNING):
             eng.start()
             view = ViewThread(eng) if key == "view.port" else None
@@ -101,11 +107,7 @@ def test_a_default_port_that_is_taken_moves_and_is_said(key, caplog):
 def test_a_port_the_config_sets_that_is_taken_fails_naming_the_key(key):
     """Set, even to the default's own number, a port is the user's: it never moves."""
     with ExitStack() as stack:
-        held = _hold(PORTS[key])
-        if held is not None:
-            stack.callback(held.close)
-        eng = Engine(_config(key, explicit=True), models={"noop": NoopRunner()})
-        stack.callback(eng.stop)
+        eng = _engine_beside_a_holder(stack, key, explicit=True)
         with pytest.raises(BindError) as err:
             eng.start()
             if key == "view.port":
