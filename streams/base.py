@@ -35,6 +35,9 @@ class DecodedFrame:
     #: the colour matrix and range the pixels were coded with (from the bitstream's metadata), which
     #: an NV12 -> RGB conversion needs: ("bt601" | "bt709", "limited" | "full")
     colour: tuple[str, str] = ("bt601", "limited")
+    #: decoded but not converted (rgb and nv12 None): no slot was free for it (Source.wants), so it is dropped
+    #: unseen, counted ring_full, and its colour conversion is not spent on a frame that has nowhere to go
+    unconverted: bool = False
 
 
 class Source(ABC):
@@ -53,6 +56,10 @@ class Source(ABC):
     #: set by the ingest thread: called with n when the source discarded n frames unseen (packets skipped to
     #: reach the live edge), so that they are counted as dropped and seq moves on by n
     on_skipped: Optional[Callable[[int], None]] = None
+    #: set by the ingest thread (live streams written into slots an ingest process was lent): whether a decoded
+    #: frame of (h, w) would find a free slot now; False: the source hands it out unconverted
+    #: (DecodedFrame.unconverted). None: every frame converted
+    wants: Optional[Callable[[int, int], bool]] = None
     #: set by the owner before open: what a CPU decoder hands out, "rgb24" (DecodedFrame.rgb) or "nv12"
     #: (DecodedFrame.nv12, a host numpy array, for a pool that converts it or reads no pixels); only sources
     #: listed in `host_formats` take "nv12"

@@ -202,6 +202,7 @@ class _PyAVSource(Source):
         n = 0
         arrivals = _Arrivals()
         last = _now()  # arrival of the last packet with data: what frames flushed at the end get
+        wants = self.wants
         for packet, got in packets:
             if packet.size:  # the empty packet at the end only flushes the decoder
                 last = got
@@ -213,6 +214,14 @@ class _PyAVSource(Source):
                 continue
             decode_s = time.monotonic() - got[0]
             for frame in decoded:
+                if wants is not None and not wants(frame.height, frame.width):
+                    # no slot free for it: dropped by the ingest thread, so not converted (an RGB conversion
+                    # costs more than the decode at 240p, several times more at 720p)
+                    t_mono, t_wall = arrivals.pop(frame.pts, last)
+                    yield DecodedFrame(None, float(frame_pts(frame.pts, tb, n, self.fps)), decode_s, t_mono, t_wall,
+                                       unconverted=True)
+                    n += 1
+                    continue
                 c0 = time.monotonic()
                 if nv12:
                     yuv, colour = to_nv12(frame)

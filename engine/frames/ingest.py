@@ -48,6 +48,9 @@ class IngestThread(OwnThread):
         source.live = live  # before any open: a live source trades completeness for freshness
         source.budget_s = budget_s if live else None  # a live network source skips to the live edge past it
         source.on_skipped = self._skipped
+        # live into slots lent to an ingest process (engine/ingest/process.RemoteRing): a frame decoded while every
+        # slot is in use is dropped, so the source does not convert it; an in-engine ring takes every frame
+        source.wants = ring.has_slot if live and hasattr(ring, "has_slot") else None
         self._emit = emit
         self._policy = Backoff(reconnect_initial_s, reconnect_max_s, backoff_reset_after_s)
         self._troubles, self._last_log = 0, -math.inf  # failed opens and short sessions since a good session
@@ -217,6 +220,11 @@ class IngestThread(OwnThread):
                 # scheduler would drop it unseen (deadline); dropped here, counted the same, and the copy into a
                 # slot, the descriptor and the scheduling are not spent on it, when the cores are short.
                 self.ring.drop_at_source(1, DropReason.DEADLINE)
+                self.seq += 1
+                self._session_frames += 1
+                continue
+            if frame.unconverted:  # no slot was free when it was decoded (Source.wants): dropped as write() would
+                self.ring.drop_at_source(1, DropReason.RING_FULL)
                 self.seq += 1
                 self._session_frames += 1
                 continue

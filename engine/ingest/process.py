@@ -97,6 +97,11 @@ class RemoteRing:
                 self._cuda = cuda_slots.TorchIpc() if self.cuda_ops is None else self.cuda_ops
                 self._copy_stream = self._cuda.Stream()  # the process's copies, off the decoder's stream
             seg: Any = cuda_slots.AttachedSlots.open(msg, self._cuda)
+            if self._segment is not None:
+                # copies into the pool being replaced may still be queued on the copy stream (one waits on the
+                # core's released[slot]: a model batch); dropping its mapping first lets them write memory the core
+                # may free and reuse: torch's IPC deleter syncs the current stream only, not this one
+                self._copy_stream.synchronize()
         else:
             check_name(msg.name, self._run, self.stream)  # ValueError: the caller refuses the Slots
             seg = Segment(msg.name, msg.count, msg.h, msg.w, create=False, pixel_format=self.pixel_format)
@@ -116,6 +121,13 @@ class RemoteRing:
             if msg.gen == self._gen:  # credits of an older lease or geometry are the core's again
                 self._credits.extend(msg.slots)
                 self._cond.notify_all()
+
+    def has_slot(self, h: int, w: int) -> bool:
+        """Whether write() would take a live frame of h x w now (Source.wants): False only while slots of that size
+        are attached and every one is lent out. Read without the lock: only this stream's thread takes a credit,
+        and a credit arriving just after is what write() would have missed a moment later too."""
+        seg = self._segment
+        return seg is None or (seg.h, seg.w) != (h, w) or bool(self._credits) or self._closed
 
     def close(self) -> None:
         with self._cond:
