@@ -1,16 +1,22 @@
 """The one script a GPU session runs: the GPU tests, then the GPU data plane timed part by part.
 
     bash ../shared/gpu/device-prep.sh nvdec && python3 benchmarks/gpu_media.py   # on our machine, first
-    # then one device call, carrying [".whl", ".gpu"], whose command begins as ../shared/gpu/README.md says:
-    python3 benchmarks/gpu_check.py            # JSON lines to $OUT/gpu_check.jsonl (else benchmarks/results/)
+    # then device calls, carrying [".whl", ".gpu"], whose command begins as ../shared/gpu/README.md says:
+    python3 benchmarks/gpu_check.py --only probe  # first, a call of its own (box 280 s; expected ~2 minutes)
+    python3 benchmarks/gpu_check.py            # the data plane; JSON lines to $OUT/gpu_check.jsonl
     python3 benchmarks/gpu_check.py --dry-run  # on the CPU (make test runs it): every part, CPU-sized
 
 Each part runs in its own subprocess with a time box and appends JSON lines as it goes, so a hang or a
-crash loses only that part; the whole run stays under ~9 minutes. Parts:
-  probe       first: the open questions of issue 32, each answered in under 10 s (benchmarks/gpu_probe.py):
-              GetDecoderCaps per codec, parameter sets out of band, an oversized H.264 stream, CPU seconds of
-              a blocking vs non-blocking event wait, the syncs set_sync_debug_mode reports around classify and
-              SAM 2 on NV12, CreateDecoder with torch's pooled stream and the timestamps it echoes
+crash loses only that part; each call stays under ~9 minutes. Parts:
+  probe       first, in a call of its own: the open questions of issue 32, each answered in under 10 s
+              (benchmarks/gpu_probe.py): GetDecoderCaps per codec, parameter sets out of band, an oversized
+              H.264 stream, CPU seconds of a blocking vs non-blocking event wait, the syncs set_sync_debug_mode
+              reports around classify and SAM 2 on NV12, CreateDecoder with torch's pooled stream and the
+              timestamps it echoes; then issue 43's seven (benchmarks/gpu_ipc_probe.py), each in a process of its
+              own with a time box of 20-30 s: an IPC event's record seen by its exporter, a dead recorder's event,
+              a dead consumer's leaked block and its release (and under expandable_segments), GPU memory per
+              extra context, kernel latency beside 6 busy contexts, event creation across 48 threads, torn NVDEC
+              frames under 32 decoding threads
   tests       the `gpu`-marked tests with VIDAR_REQUIRE_GPU=1 (none may pass by skipping)
   vit         ViT-L/16 bf16, batch 1/8/32/64: eager vs the CUDA-graph runner (GraphDispatcher)
   nvdec       NVDEC frames/s into GPU memory for 1, 8 and 48 decoder threads (720p60 H.264)
@@ -24,8 +30,8 @@ crash loses only that part; the whole run stays under ~9 minutes. Parts:
               past 10 minutes): `python3 benchmarks/gpu_check.py --only ingest_gpu` in a call of its own
   sam2        SAM 2 against Meta's predictor (benchmarks/gpu_sam2.py): not in the default run, which fits one
               device call; run it in a second call: `python3 benchmarks/gpu_check.py --only sam2`
-The dry run exercises the same code on the CPU with a tiny model, a small clip and small counts: it
-proves the script runs, nothing about the GPU paths.
+The dry run exercises the same code on the CPU with a tiny model, a small clip and small counts, two parts at
+a time after the probe: it proves the script runs, nothing about the GPU paths.
 """
 
 from __future__ import annotations
@@ -92,9 +98,13 @@ def clip() -> Path:
                              "and carry .gpu")
         return CLIP
     from engine.testing.clips import write_clip
-    path = Path(tempfile.gettempdir()) / "vidar_gpu_check_dry.mp4"
+    # beside the log (make test: its tmp_path, removed with it), not in /tmp for good; written under a name of
+    # its own and renamed, so a part never reads another's half-written clip
+    path = OUT / "vidar_gpu_check_dry.mp4"
     if not path.is_file():
-        write_clip(path, 24)
+        part = path.with_name(f"{path.stem}.{os.getpid()}{path.suffix}")
+        write_clip(part, 24)
+        os.replace(part, path)
     return path
 
 
@@ -263,7 +273,7 @@ def part_offline() -> None:
 
 def part_probe() -> None:  # in a module of its own: seven questions, ~300 lines
     from benchmarks.gpu_probe import part_probe as run
-    run(emit, dry=DRY)
+    run(emit, dry=DRY, clip=clip())
 
 
 def part_ingest_gpu() -> None:  # in a module of its own: processes, CUDA IPC slots and the core loop, ~250 lines
@@ -276,13 +286,51 @@ def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engi
     run(emit, clip=clip(), dry=DRY)
 
 
-# seconds per part: the data plane's 470 and the probe's 85 (seven questions of at most 10 s, and its imports) in
-# all, under the 10 minutes a device call may take with the wheels' install; SAM 2 (issue 24) in a call of its
-# own (`--only sam2`: its records are written as they come, so a part cut off at its box keeps what it measured)
-PARTS = {"probe": (part_probe, 85), "tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
+# seconds per part: the data plane's 470 in all, under the 10 minutes a device call may take with the wheels'
+# install; the probe's 280 (issue 32's questions of at most 10 s each, then issue 43's seven, boxes of 20-30 s each
+# adding to 180) in a call of its own before it (`--only probe`), and SAM 2 (issue 24) in another (`--only sam2`):
+# their records are written as they come, so a part cut off at its box keeps what it measured
+PARTS = {"probe": (part_probe, 280), "tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
          "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
          "sam2": (part_sam2, 540), "ingest_gpu": (part_ingest_gpu, 100)}
-DEFAULT_PARTS = ["probe", "tests", "vit", "nvdec", "preprocess", "live", "offline"]
+DEFAULT_PARTS = ["tests", "vit", "nvdec", "preprocess", "live", "offline"]
+
+
+def run_parts(names: list[str], jobs: int) -> list[str]:
+    """Each part in a subprocess of its own, time-boxed; the parts that failed. The probe first and alone (its
+    answers come before anything else can hang; its stand-ins for busy GPU contexts and decoding threads load
+    every core), then the others `jobs` at a time: one on the device, where a part's timings need the GPU to
+    itself; two in the dry run, which only proves each part runs (CPU-bound imports and tiny models: on a 2-core
+    machine ~40 s instead of ~75), longest box first."""
+    rest = [n for n in names if n != "probe"]
+    if jobs > 1:
+        rest.sort(key=lambda n: -PARTS[n][1])
+    queue, running, failed = [n for n in names if n == "probe"] + rest, {}, []  # running: name: (process, start, box)
+    while queue or running:
+        while queue and len(running) < (1 if queue[0] == "probe" or "probe" in running else jobs):
+            name = queue.pop(0)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name] + (["--dry-run"] if DRY else [])
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if jobs > 1:  # OpenMP's idle threads sleep instead of spinning on the core the other part needs
+                env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+            # its own process group: a part that outruns its box is killed with everything it started (pytest,
+            # an engine's threads), so nothing of it keeps the GPU busy during the next part
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+            running[name] = (p, time.perf_counter(), PARTS[name][1] * (2 if DRY else 1))
+        time.sleep(0.1)
+        for name, (p, t0, box) in list(running.items()):
+            rc = p.poll()
+            if rc is None and time.perf_counter() - t0 > box:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+                rc = "timeout"
+            if rc is None:
+                continue
+            del running[name]
+            emit("part_done", name=name, rc=rc, s=round(time.perf_counter() - t0, 1))
+            if rc != 0:
+                failed.append(name)
+    return failed
 
 
 def main() -> int:
@@ -310,23 +358,11 @@ def main() -> int:
         raise SystemExit("gpu_check: no CUDA device (use --dry-run on the CPU)")
     emit("start", dry_run=DRY, torch=torch.__version__,
          device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
-    failed = []
-    for name in only:
-        box = PARTS[name][1]
-        t0 = time.perf_counter()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name] + (["--dry-run"] if DRY else [])
-        # its own process group: a part that outruns its box is killed with everything it started (pytest,
-        # an engine's threads), so nothing of it keeps the GPU busy during the next part
-        p = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
-        try:
-            rc = p.wait(timeout=box * (2 if DRY else 1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-            rc = "timeout"
-        emit("part_done", name=name, rc=rc, s=round(time.perf_counter() - t0, 1))
-        if rc != 0:
-            failed.append(name)
+    if DRY:
+        clip()  # once, before the parts that read it start side by side
+    if not DRY and not args:
+        print("gpu_check: the data plane; the probe runs first, in a call of its own: --only probe", flush=True)
+    failed = run_parts(only, jobs=2 if DRY else 1)
     if DRY:
         if failed:
             print(f"gpu_check --dry-run: FAILED parts {failed}", flush=True)

@@ -79,16 +79,25 @@ def _produce(proc: int, attached: list, cuda: Any, frames: Callable[[int], Any],
         t.join(5)
 
 
-def _child(proc: int, msgs: list[bytes], up: Any, credit_q: Any, clip: str, seconds: float) -> None:
-    """An ingest process on the device (spawned): opens its pools once, decodes with NVDEC, reports its memory."""
-    import torch
+def _open_all(msgs: list[bytes], cuda: Any) -> list:
+    """The pools an ingest process opens, from their CudaSlots messages as they travel (wire.encode's bytes): the
+    dry run goes through the same encode and decode as the device's processes."""
     from engine.ingest import cuda_slots, wire
-    from streams import open_source
-    cuda = cuda_slots.TorchIpc()
-    attached = [cuda_slots.AttachedSlots.open(wire.decode([m[:1], m[1:]]), cuda) for m in msgs]
-    stop = threading.Event()
+    return [cuda_slots.AttachedSlots.open(wire.decode(m), cuda) for m in msgs]
 
-    def frames(k):
+
+def _child(proc: int, msgs: list[bytes], up: Any, credit_q: Any, clip: str, stop: Any, *, cuda: Any = None,
+           frames: Any = None, mem_after_s: float = 3.0) -> None:
+    """An ingest process on the device (spawned): opens its pools once, decodes with NVDEC, reports its memory, and
+    stops when the parent sets `stop` (a multiprocessing Event). The dry run calls the same function in a thread
+    with the same arguments, plus the fake CUDA and synthetic frames in place of torch's IPC and NVDEC."""
+    import torch
+    from engine.ingest import cuda_slots
+    from streams import open_source
+    cuda = cuda_slots.TorchIpc() if cuda is None else cuda
+    attached = _open_all(msgs, cuda)
+
+    def nvdec(k):
         while not stop.is_set():
             src = open_source(f"p{proc}s{k}", clip, decode="cuda")
             for f in src.frames():
@@ -102,10 +111,11 @@ def _child(proc: int, msgs: list[bytes], up: Any, credit_q: Any, clip: str, seco
             return credit_q.get(timeout=0.1)
         except queue.Empty:
             return None
-    threading.Timer(seconds, stop.set).start()
-    threading.Timer(min(3.0, seconds / 2), lambda: up.put(("mem", proc, os.getpid(), torch.cuda.memory_allocated(),
-                                                           torch.cuda.memory_reserved()))).start()
-    _produce(proc, attached, cuda, frames, up.put, get, stop)
+    mem = threading.Timer(mem_after_s, lambda: up.put(("mem", proc, os.getpid(), torch.cuda.memory_allocated(),
+                                                       torch.cuda.memory_reserved())))
+    mem.daemon = True  # never holds the process (or the dry run) open after its streams stopped
+    mem.start()
+    _produce(proc, attached, cuda, nvdec if frames is None else frames, up.put, get, stop)
 
 
 def _nvidia_smi() -> dict[int, int]:
@@ -125,7 +135,8 @@ def _core(pools: list[list], cuda: Any, device: Any, get_up: Callable[[], Any], 
     from engine.ingest.cuda_slots import PendingFrames
     pending = state.setdefault("pending", PendingFrames())
     ready: dict[tuple[int, int], deque] = state.setdefault("ready", {})
-    lat, shed, superseded, mem = [], 0, 0, []
+    lat, shed, superseded = [], 0, 0
+    mem = state.setdefault("mem", [])  # the processes report once, a few seconds in: during the warm-up call
     core_stream = cuda.Stream(device=device)
     t_end = time.monotonic() + seconds
 
@@ -178,7 +189,8 @@ def _core(pools: list[list], cuda: Any, device: Any, get_up: Callable[[], Any], 
 
 def part_ingest_gpu(emit: Callable[..., None], *, clip: Any, dry: bool) -> None:
     import torch
-    from engine.ingest.cuda_slots import AttachedSlots, CudaSlotPool
+    from engine.ingest import wire
+    from engine.ingest.cuda_slots import CudaSlotPool
     procs, per, seconds = (2, 2, 1.5) if dry else (6, 8, 12.0)
     h, w, n_slots = (16, 16, 4) if dry else (720, 1280, 8)
     if dry:
@@ -190,32 +202,25 @@ def part_ingest_gpu(emit: Callable[..., None], *, clip: Any, dry: bool) -> None:
     pools = [[CudaSlotPool(f"p{p}s{k}", n_slots, h, w, device=device, cuda=cuda) for k in range(per)]
              for p in range(procs)]
     model = _model(dry)
-    stop = threading.Event()
-    if dry:  # threads over the fake: the events and blocks are shared in memory
+    # each pool exported once to its process, as the CudaSlots message travels (the bytes): the dry run opens the same
+    msgs = [[wire.encode(pools[p][k].export(f"p{p}s{k}", 1)) for k in range(per)] for p in range(procs)]
+    if dry:  # threads over the fake (it shares its events and blocks in memory), running the children's code
+        stop: Any = threading.Event()
         up: Any = queue.Queue()
-        credit_qs = [queue.Queue() for _ in range(procs)]
+        credit_qs: list = [queue.Queue() for _ in range(procs)]
         frame = torch.zeros((h * 3 // 2, w), dtype=torch.uint8)
-        workers = []
-        for p in range(procs):
-            attached = [AttachedSlots.open(pools[p][k].export(f"p{p}s{k}", 1), cuda) for k in range(per)]
 
-            def frames(k, p=p):
-                while not stop.is_set():
-                    yield frame, None
-
-            def get(q=credit_qs[p]):
-                try:
-                    return q.get(timeout=0.1)
-                except queue.Empty:
-                    return None
-            workers.append(threading.Thread(target=_produce, args=(p, attached, cuda, frames, up.put, get, stop),
-                                            daemon=True))
+        def synthetic(k):
+            while not stop.is_set():
+                yield frame, None
+        workers = [threading.Thread(target=_child, args=(p, msgs[p], up, credit_qs[p], str(clip), stop), daemon=True,
+                                    kwargs={"cuda": cuda, "frames": synthetic, "mem_after_s": 0.1}) for p in range(procs)]
     else:
-        from engine.ingest import wire
         mp = multiprocessing.get_context("spawn")  # never fork a process that has CUDA (torch's docs)
+        stop = mp.Event()  # one for every process: each child's streams stop on it
         up, credit_qs = mp.Queue(), [mp.Queue() for _ in range(procs)]
-        workers = [mp.Process(target=_child, daemon=True, args=(p, [b"".join(wire.encode(pools[p][k].export(
-            f"p{p}s{k}", 1))) for k in range(per)], up, credit_qs[p], str(clip), seconds + 8)) for p in range(procs)]
+        workers = [mp.Process(target=_child, daemon=True, args=(p, msgs[p], up, credit_qs[p], str(clip), stop))
+                   for p in range(procs)]
     for p in range(procs):  # every slot lent at the start
         for k in range(per):
             for slot in range(n_slots):
@@ -235,8 +240,14 @@ def part_ingest_gpu(emit: Callable[..., None], *, clip: Any, dry: bool) -> None:
         r = _core(pools, cuda, device, get_up, lambda p, k, s: credit_qs[p].put((k, s)), model, seconds, state)
     finally:
         stop.set()
+        t_end = time.monotonic() + 10
         for t in workers:
-            t.join(10)
+            # a child's queue feeder blocks on a full `up` pipe until it is read: drained while joining, so that
+            # every child exits within the 10 s, not 10 s each
+            while t.is_alive() and time.monotonic() < t_end:
+                while get_up() is not None:
+                    pass
+                t.join(0.05)
             if not dry and t.is_alive():
                 t.kill()
     mem = r.pop("mem")
@@ -247,7 +258,7 @@ def part_ingest_gpu(emit: Callable[..., None], *, clip: Any, dry: bool) -> None:
                  "core_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1)})
     emit("ingest_gpu", processes=procs, streams_per_process=per, size=f"{w}x{h}", fps=FPS, budget_ms=BUDGET_S * 1e3,
          slots_per_stream=n_slots, **r, contexts=contexts,
-         events_created=len(cuda.events_made) if dry else None, dry_run=dry,
+         events_created=len(cuda.events_made) if dry else None, mem_reports=len(mem), dry_run=dry,
          note="threads and the fake CUDA on the CPU: proves the script, nothing about a GPU" if dry else
          "6 ingest processes x 8 NVDEC streams into core-owned CUDA IPC slots, ViT-L graph replay in the core")
 
@@ -265,10 +276,12 @@ def _model(dry: bool) -> Callable[[], Any]:
     x = torch.randn(8, c, hh, ww, device="cuda").to(wkr.dtype)
     stream = torch.cuda.Stream()
 
+    from engine.models.device import host_event
+
     def run():
         with torch.cuda.stream(stream):
             wkr.forward(x)
-            ev = torch.cuda.Event()
+            ev = host_event()  # blocking: the host's wait for it sleeps, never spins a core the ingest needs
             ev.record(stream)
         return ev
     return run

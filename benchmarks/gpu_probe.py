@@ -1,5 +1,6 @@
-"""gpu_check's `probe` part (issue 32 item 7): the first minute of a device session answers the open questions
-about NVDEC and the host's waits, each in under 10 s, one JSON line each (`emit("probe", question=..., ...)`).
+"""gpu_check's `probe` part (issue 32 item 7, issue 43 item 5): the first minutes of a device session answer the
+open questions about NVDEC, the host's waits and CUDA IPC, one JSON line each (`emit("probe", question=..., ...)`).
+These first, each in a thread, in under 10 s:
 
   caps        GetDecoderCaps (8-bit 4:2:0) for H264, HEVC, AV1, VP8, VP9, MPEG2
   params      H.264 whose SPS/PPS are kept out of the packets: frames from a decoder given none of them,
@@ -15,10 +16,23 @@ about NVDEC and the host's waits, each in under 10 s, one JSON line each (`emit(
   stream      whether CreateDecoder takes torch's pooled stream with cudacontext=0 (streams/nvdec.py's call),
               and whether each frame's timestamp echoes the ticket its packet was given
 
+Then the seven questions of benchmarks/gpu_ipc_probe.py, each in a spawned process of its own with a 20-30 s box
+(../shared/gpu/review-gpu-paths.md, "First-device-minute questions"; NOT RUN ON A GPU YET):
+  ipc_record_seen          a record in the importing process: seen by the exporter's query at once?
+  ipc_dead_recorder        the query of an event whose recorder was killed with its record queued; a new recorder
+  ipc_consumer_death_leak  a killed consumer's block stays reserved until _release_ipc_counter (and with
+                           expandable_segments:True: does the import work at all?)
+  context_memory           GPU memory per extra CUDA context (6 processes)
+  busy_contexts_latency    a bf16 matmul's p50/p99 alone and beside 6 busy contexts
+  event_create_48_threads  us per event created and recorded from 1 and 48 threads (and per re-record)
+  nvdec_torn_frames        32 threads decoding one clip with decode="cuda": does every frame index hash alike?
+
 On the CPU (gpu_check --dry-run) every question says "no GPU"; the NVDEC ones run their code against the fake
 PyNvVideoCodec of engine/testing/fake_nvdec.py (its answers are the fake's, made up: they only show the code
 runs), and the `syncs_*` questions run their classify and SAM 2 step on the CPU (RGB frames: NV12 input is a
-GPU path) without the sync accounting, which needs CUDA. None of this has run on a GPU yet.
+GPU path) without the sync accounting, which needs CUDA; the seven run their scripts with stand-ins
+(benchmarks/gpu_ipc_fake.py, the fake PyNvVideoCodec) and name every answer field dry_*. None of this has run on
+a GPU yet.
 """
 
 from __future__ import annotations
@@ -298,9 +312,10 @@ QUESTIONS: dict[str, Callable[[Probe], dict]] = {
 }
 
 
-def part_probe(emit: Callable[..., None], *, dry: bool) -> None:
+def part_probe(emit: Callable[..., None], *, dry: bool, clip: Path | None = None) -> None:
     """Every question in turn, each in a thread given LIMIT_S (on a GPU): one that runs over is reported and left
-    behind (a daemon; the part's own time box ends the process), so the next still gets its turn."""
+    behind (a daemon; the part's own time box ends the process), so the next still gets its turn. Then the seven
+    of gpu_ipc_probe, each in a process of its own (`clip`: question 7's; None: .gpu/media's on a GPU)."""
     with tempfile.TemporaryDirectory(prefix="vidar_probe_") as tmp:
         p = Probe(dry, Path(tmp))
         emit("probe", question="setup", gpu=p.gpu, device=torch.cuda.get_device_name(0) if p.gpu else "cpu",
@@ -327,3 +342,6 @@ def part_probe(emit: Callable[..., None], *, dry: bool) -> None:
                 answer = {"error": f"no answer within {limit_s:g} s"}
             note = {"note": NO_GPU} if not p.gpu and name in NVDEC_QUESTIONS else {}
             emit("probe", question=name, gpu=p.gpu, s=s, **note, **answer)
+    # after the threads' questions (the GPU is then the spawned processes' alone, unless one of those overran)
+    from benchmarks.gpu_ipc_probe import run as ipc_questions
+    ipc_questions(emit, dry=dry, clip=clip)

@@ -13,6 +13,7 @@ from engine.testing.clips import write_clip
 from tests.support.net import free_port
 
 VIDAR = [sys.executable, "-m", "engine.cli"]
+JOBS = max(2, len(os.sched_getaffinity(0)))
 
 
 def test_offline_run_exits_zero_and_subscribe_prints_results(tmp_path):
@@ -126,10 +127,12 @@ def test_every_start_error_exits_2_with_one_line_naming_the_key(tmp_path):
                     cfg[section] = value
             path = tmp_path / f"c{i}.yaml"
             path.write_text(yaml.safe_dump(cfg))
+            # as many at a time as there are cores: each one is a core's work (torch's import, a model); more
+            # side by side only slow each other down
+            while sum(p.poll() is None for _, _, p in procs) >= JOBS:
+                time.sleep(0.05)
             procs.append((case, key, subprocess.Popen(VIDAR + ["run", str(path)], stdout=subprocess.PIPE,
                                                       stderr=subprocess.PIPE, text=True, env={**os.environ, **env})))
-            if len(procs) % 3 == 0:  # three at a time: each one imports torch
-                procs[-3][2].wait(240)
         for case, key, p in procs:
             out, err = p.communicate(timeout=240)
             lines = [line for line in err.splitlines() if line.startswith("vidar: ")]
@@ -163,11 +166,25 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     ing = next(x for x in lines if x["part"] == "ingest_gpu")
     assert ing["done"] > 0 and ing["offered"] >= ing["done"] + ing["shed_at_source"] + ing["superseded"], ing
     assert ing["events_created"] == 3 * 2 * 2 * 4 and ing["contexts"].startswith("no GPU"), ing
+    # issue 43 item 1: the children's code ran (in threads), its pools opened from the CudaSlots bytes the device's
+    # processes get (wire.encode, then wire.decode there), and each child's memory report reached the result
+    assert ing["mem_reports"] == 2, ing
     assert lines[1]["part"] == "probe"  # first: the open questions (issue 32 item 7)
     probe = {x["question"]: x for x in lines if x["part"] == "probe"}
+    ipc = {"ipc_record_seen", "ipc_dead_recorder", "ipc_consumer_death_leak", "context_memory",
+           "busy_contexts_latency", "event_create_48_threads", "nvdec_torn_frames"}
     assert set(probe) == {"setup", "caps", "params", "oversize", "event_wait", "syncs_classify", "syncs_sam2",
-                          "stream"}, probe
+                          "stream"} | ipc, probe
     assert not any(x["gpu"] or "error" in x for x in probe.values()), probe
+    # issue 43 item 5: the seven device questions, each through its own process and time box, with stand-ins on the
+    # CPU: said, and no answer that reads as a GPU figure (every answer field dry_*)
+    for q in ipc:
+        answers = set(probe[q]) - {"part", "t", "question", "gpu", "s", "note"}
+        assert probe[q]["note"].startswith("no GPU") and answers and all(a.startswith("dry_") for a in answers), \
+            probe[q]
+    assert probe["ipc_record_seen"]["dry_premise_holds"] is True, probe["ipc_record_seen"]
+    assert probe["nvdec_torn_frames"]["dry_mismatched"] == 0 < probe["nvdec_torn_frames"]["dry_frames"], \
+        probe["nvdec_torn_frames"]
     # no GPU: said; the NVDEC questions' code ran against the fake decoder, the GPU-only ones were skipped
     assert probe["caps"]["note"].startswith("no GPU") and set(probe["caps"]["caps"]) == {
         "H264", "HEVC", "AV1", "VP8", "VP9", "MPEG2"}, probe["caps"]
@@ -200,12 +217,13 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     att = sam2["sam2_attention"]
     assert att["filling_layouts"] == 4 and att["max_abs_diff"] <= 1e-4, att
     assert all(att[k] > 0 for k in ("full_ms", "filling_masked_ms", "filling_grouped_ms", "all_masked_ms")), att
-    # live at 30 and 60 FPS, each followed by what it served; percentiles of the window's results only
+    # live at 30 FPS (the device adds 60: the same code), followed by what it served; percentiles of the window's
+    # results only
     live = [x for x in lines if x["part"] == "sam2_live"]
-    assert [x["fps"] for x in live] == [30, 60] and all(x["published"] > 0 for x in live), live
+    assert [x["fps"] for x in live] == [30] and all(x["published"] > 0 for x in live), live
     assert all(x["p99_ms"] >= x["p50_ms"] > 0 for x in live), live
     cap = [x for x in lines if x["part"] == "sam2_capacity"]
-    assert [(x["fps"], list(x["goodput_at"])) for x in cap] == [(30, ["1"]), (60, ["1"])], cap
+    assert [(x["fps"], list(x["goodput_at"])) for x in cap] == [(30, ["1"])], cap
     # the many-stream offline run with the tracking stage's graphs on and off; no graph replays on the CPU.
     # (Two streams of 6 frames on the CPU may not overlap long enough for a common window: only 1 x 2 has
     # to give a number.)

@@ -129,6 +129,8 @@ class IngestHub:
                     self._read(reader, credit)
                 if pending.held:
                     pending.poll()
+                if pending.failed:  # a stream's GPU copy event raised on query: that stream stops, not this thread
+                    self.leases.copies_failed(pending.take_failed())
                 if self.leases.to_wake is not None:  # every ring shares the core's wake: once for the batch
                     self.leases.to_wake.notify(self.leases.to_wake_frames)
                     self.leases.to_wake, self.leases.to_wake_frames = None, 0

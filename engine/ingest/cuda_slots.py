@@ -39,6 +39,7 @@ engine/testing/fake_cuda.py: the same code runs either way.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -81,6 +82,15 @@ class TorchIpc:
                                    f["event"] or None, f["event_sync"])
 
 
+def expandable_segments() -> bool:
+    """Whether torch's allocator shares blocks as expandable segments (PYTORCH_CUDA_ALLOC_CONF, read by torch at its
+    first CUDA allocation): an attach in another process then needs pidfd_getfd on the core
+    (c10/cuda/CUDACachingAllocator.cpp ExpandableSegment::fromShared)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    opts = dict(o.split(":", 1) for o in conf.replace(" ", "").split(",") if ":" in o)
+    return opts.get("expandable_segments", "").lower() in ("true", "1")
+
+
 class CudaSlotPool:
     """The core's side of one ring's CUDA slots of one geometry: the block, its per-slot events, the export.
     It is what `FrameRing.set_geometry` maps (engine/frames/storage.DeviceSharedSlots)."""
@@ -88,6 +98,11 @@ class CudaSlotPool:
     def __init__(self, name: str, count: int, h: int, w: int, *, device: Any = 0, cuda: Any = None):
         if h % 2 or w % 2:
             raise ValueError(f"{name}: NV12 slots need an even size, not {w}x{h}")
+        if expandable_segments():
+            raise ValueError(f"{name}: CUDA IPC slots cannot be shared with PYTORCH_CUDA_ALLOC_CONF="
+                             f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF')!r}: with expandable_segments torch shares a "
+                             "block through pidfd_getfd, which ptrace rules and Docker's seccomp deny to an ingest "
+                             "process; unset expandable_segments for vidar")
         self.name, self.count, self.h, self.w = name, count, h, w
         self.cuda = cuda if cuda is not None else TorchIpc()
         dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
@@ -183,14 +198,25 @@ class PendingFrames:
     stream (a frame is never admitted ahead of an older one of its stream still copying)."""
     held: list[_Held] = field(default_factory=list)
     dropped: int = 0   # held descriptors dropped unadmitted (their producer died or their lease moved on)
+    #: streams whose written event raised on query, with why: their descriptors are dropped here, and the owner
+    #: (the ingest hub) stops each such stream with `take_failed` (never the I/O thread, never the engine)
+    failed: dict[str, str] = field(default_factory=dict)
 
     def add(self, stream: str, gen: int, slot: int, event: Any, commit: Callable[[], bool]) -> bool:
         """Commit now if nothing of its stream waits and its copy is done; else hold it. True if committed.
         `event` None: the slot is not lent (a stale or forged descriptor): commit() checks and refuses it."""
         if event is None:
             return bool(commit())
-        if not any(h.stream == stream for h in self.held) and event.query():
-            return bool(commit())
+        if stream in self.failed:  # its copies cannot be checked any more: never admitted, counted
+            self.dropped += 1
+            return False
+        if not any(h.stream == stream for h in self.held):
+            done = self._done(stream, event)
+            if done is None:
+                self.dropped += 1
+                return False
+            if done:
+                return bool(commit())
         self.held.append(_Held(stream, gen, slot, event, commit))
         return False
 
@@ -198,7 +224,10 @@ class PendingFrames:
         """Commit every held frame whose copy completed (a host query each, no wait). Returns how many."""
         n, keep, blocked = 0, [], set()
         for h in self.held:
-            if h.stream not in blocked and h.event.query():
+            done = None if h.stream in self.failed else (h.stream not in blocked and self._done(h.stream, h.event))
+            if done is None:
+                self.dropped += 1  # its stream's copies cannot be checked: dropped unadmitted (take_failed)
+            elif done:
                 h.commit()
                 n += 1
             else:
@@ -206,6 +235,26 @@ class PendingFrames:
                 keep.append(h)
         self.held = keep
         return n
+
+    def _done(self, stream: str, event: Any) -> Optional[bool]:
+        """The event's host query; None when it raised: torch raises for every CUDA error but "not ready"
+        (c10/cuda/CUDAEvent.h), and an interprocess event last recorded by a process that died is undefined
+        (CUDA's cudaIpcOpenEventHandle docs). Raising here would end the ingest I/O thread, and so the engine,
+        for one stream's event."""
+        try:
+            return bool(event.query())
+        except Exception as err:  # noqa: BLE001 -- any error of one stream's event fails that stream only
+            why = f"{type(err).__name__}: {err}"[:300]
+            if stream not in self.failed:
+                log.error("stream %s: querying its GPU copy's event raised (%s): its frames in flight are dropped "
+                          "and the stream is stopped", stream, why)
+            self.failed.setdefault(stream, why)
+            return None
+
+    def take_failed(self) -> dict[str, str]:
+        """The streams whose event raised since the last call (stream -> why), for their owner to stop."""
+        out, self.failed = self.failed, {}
+        return out
 
     def forget(self, stream: str, below_gen: Optional[int] = None) -> int:
         """Drop the stream's held descriptors (all, or those of a generation below `below_gen`): their producer

@@ -273,6 +273,15 @@ class Leases:
         else:
             self.end(lease)
 
+    def copies_failed(self, failed: dict[str, str]) -> None:
+        """Streams whose GPU copy events raised on query (cuda_slots.PendingFrames; their held frames were dropped,
+        counted): each stopped with the reason, the engine and the other streams going on."""
+        for stream, why in failed.items():
+            lease = self.leases.get(stream)
+            if lease is not None and not lease.remote.failed:
+                self.fail(lease, f"the event of its GPU copies raised on query ({why}); stopped (a CUDA IPC stream, "
+                                 "not run on a GPU yet)")
+
     def end(self, lease: Lease) -> None:
         """The stream is over in its process (its last frame committed before): slots back, segment unlinked."""
         for ring in lease.rings:

@@ -177,6 +177,44 @@ def test_a_slow_copy_is_admitted_once_it_completes_and_in_its_streams_order():
     assert [r.seq for r in s.ring.take_ready()] == [0, 1]
 
 
+def test_an_event_whose_query_raises_fails_its_stream_only_never_the_poller():
+    """Issue 43 item 2: torch's Event.query raises for any CUDA error but "not ready", and an IPC event whose
+    recorder died is undefined. The raise stays in PendingFrames: the stream's frames in flight are dropped
+    (counted), the stream is named for its owner to stop, and another stream's frames are still admitted."""
+    s = _Side(slots=3)
+    s.copy_stream.held = True
+    held = s.produce(0, 1)
+    assert not s.deliver(held)
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    s.pool.written[held.slot].query = broken
+    other = FakeEvent("other")
+    other.record(s.cuda.Stream())
+    admitted = []
+    assert s.pending.add("other", 1, 0, other, lambda: admitted.append(1) or True)  # a healthy stream goes on
+    assert s.pending.poll() == 0 and s.pending.dropped == 1 and not s.pending.held
+    assert s.pending.add("cam", held.gen, held.slot, s.ring.written_event(held.slot), lambda: True) is False
+    assert s.pending.dropped == 2  # a later descriptor of the failed stream: never admitted, counted
+    failed = s.pending.take_failed()
+    assert list(failed) == ["cam"] and "illegal memory access" in failed["cam"] and not s.pending.failed
+    assert admitted == [1] and s.ring.ready() == 0
+
+
+def test_leases_stop_a_stream_whose_copy_event_raised_once_with_the_reason():
+    """Leases.copies_failed, which the ingest I/O thread calls with PendingFrames.take_failed: the stream stopped
+    with the reason, once; a stream already gone is skipped."""
+    from engine.ingest.leases import Leases
+    failed_with = []
+    lease = type("L", (), {"remote": type("R", (), {"failed": False})()})()
+    fake = type("F", (), {"leases": {"cam": lease}, "fail": lambda self, l, why: failed_with.append((l, why))})()
+    Leases.copies_failed(fake, {"cam": "RuntimeError: boom", "gone": "RuntimeError: x"})
+    assert failed_with == [(lease, failed_with[0][1])] and "RuntimeError: boom" in failed_with[0][1]
+    lease.remote.failed = True
+    Leases.copies_failed(fake, {"cam": "RuntimeError: again"})
+    assert len(failed_with) == 1
+
+
 def test_a_descriptor_for_a_slot_not_lent_is_refused():
     s = _Side(slots=3)
     msg = s.produce(0, 1)
@@ -202,3 +240,24 @@ def test_an_ingest_process_imports_torch_only_for_an_nvdec_stream():
             "print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_a_pool_is_refused_with_the_reason_when_torch_would_share_it_as_expandable_segments(monkeypatch):
+    """Issue 43 item 2: with expandable_segments torch shares a block by pidfd_getfd, which ptrace rules and Docker's
+    seccomp deny to the ingest process: every attach would fail. The pool is refused at creation, naming why."""
+    for conf in ("expandable_segments:True", "max_split_size_mb:128,expandable_segments:true"):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", conf)
+        with pytest.raises(ValueError, match="expandable_segments"):
+            CudaSlotPool("p", 2, H, W, device=torch.device("cpu"), cuda=FakeCuda())
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    CudaSlotPool("p", 2, H, W, device=torch.device("cpu"), cuda=FakeCuda())
+
+
+def test_a_new_pool_replaces_the_old_one_only_after_the_copies_queued_into_it_ran():
+    """Issue 43 item 2: an attach that replaces the process's pool (a size change) first waits for the copy stream,
+    whose queued copies would otherwise write the old pool after its mapping was dropped."""
+    s = _Side(slots=3)
+    s.produce(0, 1)
+    assert s.copy_stream.synced == 0
+    s.remote.attach(s.pool.export("cam", s.gen))
+    assert s.copy_stream.synced == 1
