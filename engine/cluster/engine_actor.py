@@ -8,7 +8,9 @@ it with `add_stream` / `control` and reads its `report` every heartbeat.
 from __future__ import annotations
 
 import copy
+import multiprocessing.util
 import os
+import shutil
 import time
 from typing import Optional
 
@@ -149,7 +151,11 @@ class EngineActor:
         eng.publisher.submit_event(stream, kind, reason, on_sent=sent)
 
     def stop(self) -> None:
+        """The engine stopped; the controller kills the actor next (ray.kill: this process's exit handlers never
+        run), so the folder multiprocessing made here for the ingest processes' forkserver (pymp-*) is removed now,
+        as those handlers would have (one left in /tmp per engine stopped, before)."""
         self.engine.stop(drain=False)
+        shutil.rmtree(multiprocessing.util.get_temp_dir(), ignore_errors=True)
 
 
 def _num(x: float) -> Optional[float]:

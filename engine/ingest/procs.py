@@ -120,7 +120,7 @@ class ProcessManager:
             raise
         finally:
             theirs.close()  # the process has its own copy: its death is then the uplink's end of file here
-        proc = IngestProcess(idx, gen, handle, cmd, uplink.Reader(core_end), dedicated=dedicated)
+        proc = IngestProcess(idx, gen, handle, cmd, uplink.Reader(core_end), dedicated=dedicated, os_pid=handle.pid)
         proc.open_pidfd()
         proc.up.owner = proc
         self.procs[idx] = proc

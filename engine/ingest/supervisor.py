@@ -44,7 +44,8 @@ class IngestProcess:
     up: Any                          # the core's end of its uplink (uplink.Reader): what it sends
     dedicated: bool = False          # holds one quarantined stream
     streams: set = field(default_factory=set)
-    pid: Optional[int] = None
+    pid: Optional[int] = None        # as its Ready message says
+    os_pid: Optional[int] = None     # its handle's, taken at start: the handle may be closed before Ready came
     ready: bool = False
     started_at: float = field(default_factory=time.monotonic)
     last_beat: float = field(default_factory=time.monotonic)
@@ -116,7 +117,9 @@ class IngestProcess:
 
     @property
     def label(self) -> str:
-        return f"ingest-{self.idx} (pid {self.pid or self.handle.pid})"
+        # never asked of the handle: a process that died before its Ready is reaped (its handle closed, which
+        # makes `handle.pid` raise) before its streams are told why, in a log line that names it
+        return f"ingest-{self.idx} (pid {self.pid or self.os_pid})"
 
     def hung(self, now: float, hang_after_s: float, start_timeout_s: float) -> Optional[str]:
         """Why this process counts as hung now, or None."""

@@ -608,3 +608,17 @@ def test_a_restarted_stream_s_reconnects_add_to_those_of_its_earlier_processes()
     msg = wire.StreamState("a", 9, "running", False, "", None, 2, 0, 10, 0)
     leases._state(lease, msg)
     assert remote.reconnects == 5
+
+
+def test_a_process_that_died_before_its_ready_is_named_after_its_handle_was_closed():
+    """A process that exits before its Ready is reaped (multiprocessing's handle closed: `handle.pid` raises
+    ValueError) before its streams are told why, in lines naming it: its label must not ask the handle, or the
+    ingest I/O thread, and with it the engine, dies of a failed start."""
+
+    class Closed:
+        @property
+        def pid(self):
+            raise ValueError("process object is closed")
+    from engine.ingest.supervisor import IngestProcess
+    proc = IngestProcess(2, 1, Closed(), None, None, os_pid=4321)
+    assert proc.label == "ingest-2 (pid 4321)"

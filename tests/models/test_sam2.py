@@ -418,8 +418,9 @@ def test_removing_and_readding_a_sam2_stream_never_fails_another(ckpt, endpoint)
 
     def busy_with_b():
         return acct.snapshot("b").held.get("workers", 0) + acct.snapshot("b").held.get("output", 0) > 0
-    # it stops 3 s after a's eos, which comes at shutdown: b's shutdown eos may come just after a's
-    col = Collector(endpoint, ["a"], linger_s=3)
+    # it stops once quiet for 1 s after a's eos, which comes at shutdown: b's shutdown eos may come just after a's
+    # (sent by the same stop, before col.wait below: already on its way)
+    col = Collector(endpoint, ["a"], linger_s=1)
     col.sub._sock.setsockopt(__import__("zmq").SUBSCRIBE, b"sam2.b")
     added = []  # wall-clock time of each re-add: every frame of that incarnation is captured after it
     try:

@@ -14,9 +14,11 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import urllib.error
 import urllib.request
@@ -110,10 +112,16 @@ def browser():
                 "--window-size=1280,1000"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_script_timeout(60)
-    yield driver
-    driver.quit()
+    # chromium's temp folders in one of ours: it leaves its org.chromium.Chromium.* (the profile's singleton
+    # socket) in TMPDIR after quitting: one more in /tmp per run otherwise. Short: the socket's path must fit 107 bytes
+    tmp = tempfile.mkdtemp(prefix="vidar-chromium-")
+    try:
+        driver = webdriver.Chrome(service=Service(CHROMEDRIVER, env={**os.environ, "TMPDIR": tmp}), options=opts)
+        driver.set_script_timeout(60)
+        yield driver
+        driver.quit()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
