@@ -84,7 +84,8 @@ class Engine:
             log.warning("%s", warning)
         limit_malloc_arenas(cfg.malloc_arenas)  # before this engine starts threads (`vidar run` did it already)
         self.metrics = Metrics(lambda: [p.acct for p in self.pools.values()], self.stream_counters,
-                               lambda: {name: p.qos.state() for name, p in self.pools.items()})
+                               lambda: {name: p.qos.state() for name, p in self.pools.items()},
+                               lambda: {name: p.fallbacks() for name, p in self.pools.items()})
         # a port left at its default that another engine holds moves to a free one (engine/security/ports.py)
         if cfg.metrics.enabled:
             self.metrics.serve(cfg.metrics.host, cfg.metrics.port, cfg.metrics.token,
@@ -243,6 +244,9 @@ class Engine:
             d = self.table.describe(entry)
             d["pools"] = {name: {"published": (s := self.pools[name].acct.snapshot(entry.id)).published,
                                  "dropped": s.dropped} for name in entry.pools}
+            for name in entry.pools:  # a GPU piece the pool runs without, with why (only when one fell back)
+                if fallbacks := self.pools[name].fallbacks():
+                    d["pools"][name]["fallbacks"] = fallbacks
             for extra in extras.values():
                 d.update(extra.get(entry.id, {}))
             out[entry.id] = d

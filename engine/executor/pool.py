@@ -86,7 +86,19 @@ class Pool:
                            emit=lambda stream, kind, reason, fields: publisher.submit_event(
                                stream, kind, reason, fields=lambda: dict(fields)))
 
+    def fallbacks(self) -> dict[str, str]:
+        """The GPU pieces this pool runs without, each with why (issue 43 item 4): its runners' CUDA graphs after a
+        failed capture or a rebuild (engine/models/graphs.py eager_reason). Empty where nothing fell back, and on
+        the CPU, where no graph is tried."""
+        out: dict[str, str] = {}
+        for m in list(self.slots.models):
+            graphs = getattr(m, "graphs", None)
+            if graphs is not None and getattr(graphs, "eager_reason", None):
+                out.setdefault("cuda_graphs", graphs.eager_reason)
+        return out
+
     # -- start / stop -------------------------------------------------------------------------
+
     def _warm_processor(self) -> None:
         # the family's output stage (SAM 2's tracking stage) first, once; a processor that does not derive from
         # PostProcessor (a plug-in's, a test's wrapper) may have no warm-up

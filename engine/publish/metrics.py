@@ -119,6 +119,22 @@ class _QosCollector:
         yield from (level, interval, steps)
 
 
+class _FallbackCollector:
+    """vidar_gpu_fallback: 1 for each GPU piece a pool runs without (Pool.fallbacks), the reason a label (one per
+    pool and piece: bounded)."""
+
+    def __init__(self, fallbacks: Callable[[], dict]):
+        self._fallbacks = fallbacks
+
+    def collect(self):
+        fam = GaugeMetricFamily("vidar_gpu_fallback", "A GPU piece a pool runs without (1), and why",
+                                labels=["pool", "piece", "reason"])
+        for pool, pieces in self._fallbacks().items():
+            for piece, reason in pieces.items():
+                fam.add_metric([pool, piece, reason[:200]], 1)
+        yield fam
+
+
 class _HeapCollector:
     """glibc heap: in use and mmapped (grow with a leak), free inside the arenas (grows with
     fragmentation); with process_resident_memory_bytes this tells the two apart in production.
@@ -137,10 +153,11 @@ class _HeapCollector:
 
 class Metrics:
     def __init__(self, accountings: Callable[[], Iterable[Accounting]], stream_counters: Callable[[], dict],
-                 qos: Callable[[], dict] = dict):
+                 qos: Callable[[], dict] = dict, fallbacks: Callable[[], dict] = dict):
         self.registry = CollectorRegistry()  # per engine: tests run several engines in one process
         self.registry.register(_AccountingCollector(accountings, stream_counters))
         self.registry.register(_QosCollector(qos))
+        self.registry.register(_FallbackCollector(fallbacks))
         self.registry.register(_HeapCollector())
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, open fds, CPU seconds
         self.stage = Histogram("vidar_stage_seconds", "Time spent per frame in each stage",

@@ -354,3 +354,31 @@ def test_max_batch_auto_captures_up_to_the_sweep_ceiling(model):
     (the pool's sweep then measures them, tests/sched/test_batch_size.py)."""
     w = runner(model, FakeBackend(), max_batch="auto")
     assert w.graphs.wanted == (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_capture_is_shown_per_pool_in_list_and_in_a_metric(model, endpoint):
+    """Issue 43 item 4: the pool runs eager and says so where an operator looks: the stream's `list` entry names the
+    pool's fallback with its reason, and vidar_gpu_fallback{pool, piece, reason} is 1; a pool whose graphs are
+    captured shows neither."""
+    from engine.core.engine import Engine
+    from engine.testing.wait import wait_for
+    from tests.support.engines import engine_config
+    for backend, expect in ((FakeBackend(fail_at=8), True), (FakeBackend(), False)):
+        cfg = engine_config([{"id": "s", "url": "synthetic://shapes?size=96x64&fps=30&frames=4", "mode": "offline"}],
+                            endpoint)
+        eng = Engine(cfg, models={"classify": runner(model, backend)})
+        try:
+            eng.start()
+            assert wait_for(lambda: eng.describe().get("s", {}).get("pools"), 60)
+            pool = eng.describe()["s"]["pools"]["classify"]
+            value = eng.metrics.registry.get_sample_value(
+                "vidar_gpu_fallback", {"pool": "classify", "piece": "cuda_graphs",
+                                       "reason": (eng.pools["classify"].fallbacks() or {"": ""}).get("cuda_graphs", "")})
+        finally:
+            eng.stop()
+        if expect:
+            assert "RuntimeError" in pool["fallbacks"]["cuda_graphs"], pool
+            assert value == 1
+        else:
+            assert "fallbacks" not in pool and value is None, pool
