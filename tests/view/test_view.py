@@ -413,6 +413,9 @@ def test_nobody_watching_means_no_tap_work(viewed):
     time.sleep(1.0)
     assert all(not v for v in eng.view.counters().values())
     watch(view.url, ["cam1"], 1.5)
+    # a frame the encoder had taken before the page left is still shown (counted) after it: read once it settled
+    # (seen in a full run: 14 against 13 when read at once)
+    time.sleep(0.3)
     shown = eng.view.counters()["shown"]["cam1"]
     assert shown >= 3
     from prometheus_client import generate_latest
