@@ -238,6 +238,7 @@ class Engine:
     def describe(self) -> dict:
         out = {}
         extras = {name: p.spec.processor.describe() for name, p in self.pools.items() if p.spec.processor}
+        fallbacks = {name: p.fallbacks() for name, p in self.pools.items()}  # per pool, once: not per stream
         for entry in self.table.snapshot() if self.table else []:
             if entry.state == "removing":
                 continue
@@ -245,8 +246,8 @@ class Engine:
             d["pools"] = {name: {"published": (s := self.pools[name].acct.snapshot(entry.id)).published,
                                  "dropped": s.dropped} for name in entry.pools}
             for name in entry.pools:  # a GPU piece the pool runs without, with why (only when one fell back)
-                if fallbacks := self.pools[name].fallbacks():
-                    d["pools"][name]["fallbacks"] = fallbacks
+                if fallbacks[name]:
+                    d["pools"][name]["fallbacks"] = fallbacks[name]
             for extra in extras.values():
                 d.update(extra.get(entry.id, {}))
             out[entry.id] = d
