@@ -207,9 +207,12 @@ def part_preprocess() -> None:
     emit("preprocess", batch=n, size=f"{f.width}x{f.height}", **r)
 
 
-def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: int | str, budget_ms: float) -> dict:
+def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: int | str, budget_ms: float,
+               transport: str = "threads") -> dict:
     """The engine on n streams of the clip (live: looped at its 60 fps; offline: once each), ViT-L
-    random, graphs on; counts over `seconds` after `warm_s` (live), or to the end (offline)."""
+    random, graphs on; counts over `seconds` after `warm_s` (live), or to the end (offline). `transport`: how the
+    NVDEC streams reach the pool: "threads" (decoders as threads in the engine process, NV12 in GPU memory) or
+    "shm" (ingest processes, NV12 copied into shared-memory slots: ingest.gpu_transport, the default)."""
     from engine.config import build_config
     from engine.core.engine import Engine
     from engine.testing.net import free_endpoint
@@ -220,9 +223,11 @@ def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: i
         "models": {"classify": {"name": VIT, "weights": "random", "max_batch": max_batch, "device": DEVICE}},
         "budget": {"latency_ms": budget_ms}, "qos": {"ladder": False}, "publish": {"endpoint": free_endpoint()},
         "ring": {"min_slots": 2, "max_slots": 8}, "metrics": {"enabled": False}, "control": {"enabled": False},
-        # threads, as NVDEC streams are on the device (they stay in the engine process): the dry run on the CPU
-        # then takes the device's path, not the ingest processes' (which bench_host measures)
-        "view": {"enabled": False}, "ingest": {"processes": 0}}, cuda_available=True)
+        # threads: NVDEC in the engine process (the dry run on the CPU then takes that path too, not the ingest
+        # processes', which bench_host measures); shm: NVDEC in ingest processes, into host slots (issue 43 item 3a)
+        "view": {"enabled": False},
+        "ingest": {"processes": 0} if transport == "threads" else {"processes": "auto", "gpu_transport": "shm"}},
+        cuda_available=True)
     eng = Engine(cfg)
     t_start = time.perf_counter()
     eng.start()
@@ -248,15 +253,20 @@ def run_engine(n: int, *, mode: str, seconds: float, warm_s: float, max_batch: i
         described = eng.describe()
     finally:
         eng.stop()
-    return {"streams": n, "budget_ms": budget_ms, **counted, "decode": described[ids[0]].get("decode"),
+    return {"streams": n, "budget_ms": budget_ms, "transport": transport, **counted,
+            "decode": described[ids[0]].get("decode"), "process": described[ids[0]].get("process"),
             "start_s": round(started_s, 1), **chosen}
 
 
 def part_live() -> None:
-    for n in ((1,) if DRY else (1, 8, 16, 32, 48)):
+    # NVDEC as threads in the engine process at every count, then in ingest processes through shared memory (the
+    # default since issue 43 item 3a) at 1, 8 and 48: goodput and p99 side by side, the same clip and budget
+    runs = [(n, "threads") for n in ((1,) if DRY else (1, 8, 16, 32, 48))]
+    runs += [(n, "shm") for n in ((1,) if DRY else (1, 8, 48))]
+    for n, transport in runs:
         # max_batch auto: what `make run` does on a GPU (item 6), its choice and the measured times in the record
         emit("live", **run_engine(n, mode="live", seconds=1.5 if DRY else 5.0, warm_s=0.5 if DRY else 2.0,
-                                  max_batch="auto", budget_ms=2000 if DRY else 17))
+                                  max_batch="auto", budget_ms=2000 if DRY else 17, transport=transport))
 
 
 def part_offline() -> None:
@@ -291,7 +301,7 @@ def part_sam2() -> None:  # in a module of its own: the SAM 2 reference and engi
 # adding to 180) in a call of its own before it (`--only probe`), and SAM 2 (issue 24) in another (`--only sam2`):
 # their records are written as they come, so a part cut off at its box keeps what it measured
 PARTS = {"probe": (part_probe, 280), "tests": (part_tests, 130), "vit": (part_vit, 60), "nvdec": (part_nvdec, 45),
-         "preprocess": (part_preprocess, 25), "live": (part_live, 150), "offline": (part_offline, 60),
+         "preprocess": (part_preprocess, 25), "live": (part_live, 200), "offline": (part_offline, 60),
          "sam2": (part_sam2, 540), "ingest_gpu": (part_ingest_gpu, 100)}
 DEFAULT_PARTS = ["tests", "vit", "nvdec", "preprocess", "live", "offline"]
 

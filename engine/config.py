@@ -409,7 +409,7 @@ class IngestConfig(_Strict):
     processes published every frame of 48 x 240p60 where one shed a tenth (benchmarks/RESULTS.md). Frames cross
     by reference: slots in /dev/shm the engine owns, within ring.total_memory_mb. A stream feeding several pools
     is written once into its first pool's slot and copied into the others' rings by the engine. Streams that may
-    decode with NVDEC (decode auto/cuda on a CUDA machine) stay threads in the engine process."""
+    decode with NVDEC (decode auto/cuda on a CUDA machine): see `gpu_transport`."""
     streams_per_process: int = Field(8, ge=1, le=256)
     """The most streams `auto` puts in one ingest process before starting another (a stated cap, not a hard one:
     beyond the process limit streams go to the least loaded process)."""
@@ -432,10 +432,21 @@ class IngestConfig(_Strict):
     copies are superseded, its credit is 1 until it keeps up again (engine/frames/ring.py, LEAN_ENTER): 1,318 and
     1,395 frames/s at 48 x 720p60, none superseded. Offline streams wait for a free slot instead (back-pressure)."""
     pixel_format: Literal["auto", "rgb24"] = "auto"
-    """What an ingest process writes into a stream's slots. auto: NV12 as decoded (no colour conversion: 1.5 bytes
+    """What an ingest process writes into the slots of a stream it decodes on the CPU (NVDEC's are NV12). auto: NV12 as decoded (no colour conversion: 1.5 bytes
     a pixel) when the stream feeds one pool that converts NV12 in its batched preprocessing (classify or sam2 on a
     GPU with preprocess: fast) or reads no pixels (noop); RGB otherwise. rgb24: always RGB. Measured at 320x240 on
     2 cores: the RGB conversion cost more CPU than the decoding (streams/convert.py)."""
+    gpu_transport: Literal["shm", "threads"] = "shm"
+    """How a stream that may decode with NVDEC (decode auto/cuda on a CUDA machine) reaches its pool. shm: decoded in
+    an ingest process like any other stream (no GIL shared with the engine), its NV12 frames copied from the GPU into
+    the stream's shared-memory slots and uploaded again by the pool's batched preprocessing, as CPU-decoded frames
+    are; the slot protocol every CPU test covers, for the price of two copies over PCIe a frame. Each ingest process
+    that decodes on the GPU holds a CUDA context of its own (~300-500 MB of GPU memory expected): how many do is
+    logged and shown in `list`. A stream feeding several pools stays a thread (the engine copies into the other
+    pools' rings on the host). threads: one thread per such stream in the engine process, NV12 kept in GPU memory
+    (zero copy, the engine's CUDA context only; all such streams share the engine's GIL). Neither has run on a GPU
+    yet (docs/gpu.md); CUDA IPC slots between processes (zero copy without the GIL) are not built into the
+    processes yet."""
     heartbeat_s: float = Field(0.25, gt=0, le=10)
     """How often an ingest process reports that it is alive, with its streams' states."""
     hang_after_s: float = Field(3.0, gt=0, le=600)

@@ -27,7 +27,9 @@ class DecodedFrame:
     t_arrival_wall: float = field(default_factory=time.time)
     #: NV12 frames: (H * 3 // 2, W) uint8 (the Y plane, then the interleaved UV plane), with `rgb` None. NVDEC's
     #: (streams/nvdec.py) in GPU memory, owned by this frame (copied out of the decoder's surface); a CPU
-    #: decoder's (streams/convert.py) a numpy array, when its owner asked for `pixel_format` "nv12".
+    #: decoder's (streams/convert.py), when its owner asked for `pixel_format` "nv12": a numpy array, or for 4:2:0
+    #: frames of even size a convert.NV12Planes, written into the slot later (np.asarray(x) makes the array; its
+    #: write is then not in decode_s).
     nv12: Optional[Any] = field(default=None, repr=False)
     #: a CUDA event recorded on the decoder's stream after `nv12` was written: a reader on another
     #: stream waits on it (stream.wait_event), never with a host sync. None on the CPU.

@@ -31,7 +31,7 @@ from engine.errors import SourceOpenError
 
 from streams.base import DecodedFrame, Source
 from streams.clock import LiveSession
-from streams.convert import to_nv12, to_rgb
+from streams.convert import frame_colour_or_nearest, nv12_planes, to_rgb
 from streams.urls import redact_url, url_scheme
 
 _NOT_VIDEO_FORMATS = {"tty"}
@@ -223,8 +223,8 @@ class _PyAVSource(Source):
                     n += 1
                     continue
                 c0 = time.monotonic()
-                if nv12:
-                    yuv, colour = to_nv12(frame)
+                if nv12:  # written into its slot later, straight from the decoder's planes (convert.NV12Planes)
+                    yuv, colour = nv12_planes(frame), frame_colour_or_nearest(frame)
                     rgb = None
                 else:
                     rgb, yuv, colour = to_rgb(frame), None, ("bt601", "limited")

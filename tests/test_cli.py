@@ -193,7 +193,10 @@ def test_gpu_check_dry_run_passes_on_the_cpu(tmp_path):
     assert probe["stream"]["echoes_tickets"] is True
     assert all(probe[q]["skipped"].startswith("no GPU") for q in ("event_wait", "syncs_classify", "syncs_sam2"))
     live = next(x for x in lines if x["part"] == "live")
-    assert live["published"] > 0 and live["decode"]["device"] == "cpu"
+    assert live["published"] > 0 and live["decode"]["device"] == "cpu" and live["process"] == "engine"
+    # the same live run with the streams in ingest processes (ingest.gpu_transport shm), side by side
+    shm = next(x for x in lines if x["part"] == "live" and x["transport"] == "shm")
+    assert shm["published"] > 0 and shm["process"].startswith("ingest-"), shm
     # max_batch auto, said with the estimate it chose on
     assert f"batch {live['max_batch']}'s estimate is" in live["why"] and "1" in live["warmup_ms"]
     sam2 = {x["part"]: x for x in lines if x["part"].startswith("sam2_")}

@@ -274,13 +274,16 @@ class StreamTable:
         if self._hub is None:
             return False
         why = None
-        if getattr(source, "decode_device", "cpu") != "cpu":
-            # The CUDA IPC slot pool exists (engine/ingest/cuda_slots.py, DeviceSharedSlots) but has run on the CPU
-            # with fakes only, and the hub does not yet create pools for NVDEC leases nor do the ingest processes
-            # open NVDEC sources: so such streams stay threads until a device has run benchmarks/gpu_check.py
-            # --only ingest_gpu (issue 33 item 8).
-            why = ("streams that may decode with NVDEC (decode auto/cuda on a CUDA machine) stay threads in the engine "
-                   "process: their CUDA IPC slots have not run on a GPU yet (issue 33 item 8)")
+        if _may_use_nvdec(source):
+            # NV12 copied from the GPU into host slots (ingest.gpu_transport shm). Zero copy between processes (the
+            # CUDA IPC slot pool, engine/ingest/cuda_slots.py) has run on the CPU with fakes only and the hub does not
+            # lend such pools yet: `threads` keeps NV12 in GPU memory, in the engine process.
+            if self.cfg.ingest.gpu_transport == "threads":
+                why = ("streams that may decode with NVDEC (decode auto/cuda on a CUDA machine) are threads in the "
+                       "engine process (ingest.gpu_transport: threads)")
+            elif len(pools) != 1:
+                why = ("a stream that may decode with NVDEC and feeds several pools is a thread in the engine process "
+                       "(ingest.gpu_transport shm takes one pool a stream)")
         if why is None:
             return True
         if why not in self._told_threads:
@@ -293,6 +296,8 @@ class StreamTable:
         conversion, when its one pool's runners take NV12 (they convert it in their batched preprocessing, or read
         no pixels) and its decoder can hand NV12 out; RGB otherwise. One pool only: the hub copies a stream feeding
         several into the others' RGB rings (leases.py)."""
+        if _may_use_nvdec(source):  # NVDEC gives NV12 (its pools take NV12, else it decodes on the CPU: add)
+            return "nv12"
         if self.cfg.ingest.pixel_format == "rgb24" or len(pools) != 1 or "nv12" not in source.host_formats:
             return "rgb24"
         return "nv12" if all(getattr(m, "accepts_nv12", False) for m in self._pools[pools[0]].spec.models) else "rgb24"
@@ -499,3 +504,8 @@ class StreamTable:
                            "reason": getattr(source, "decode_reason", "")},
                 # a live network stream: how far behind its camera it is read, seconds (streams/clock.py); else None
                 "lag_s": lag_of(e)}
+
+
+def _may_use_nvdec(source) -> bool:
+    """The source may decode with NVDEC (decode auto/cuda on a CUDA machine): decided when it opens."""
+    return getattr(source, "decode_device", "cpu") != "cpu"

@@ -22,12 +22,15 @@ import traceback
 from collections import deque
 from typing import TYPE_CHECKING, Callable, Optional
 
+import numpy as np
+
 from engine.errors import SourceError
 from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.util.threads import OwnThread
 
 from streams.backoff import Backoff
 from streams.base import DecodedFrame, Source
+from streams.convert import NV12Planes
 from streams.urls import redact_url
 
 if TYPE_CHECKING:  # not at run time: an ingest process (engine/ingest/process.py) runs this without torch
@@ -51,6 +54,7 @@ class IngestThread(OwnThread):
         # live into slots lent to an ingest process (engine/ingest/process.RemoteRing): a frame decoded while every
         # slot is in use is dropped, so the source does not convert it; an in-engine ring takes every frame
         source.wants = ring.has_slot if live and hasattr(ring, "has_slot") else None
+        self._takes_planes = getattr(ring, "takes_planes", False)  # RemoteRing: NV12Planes written into the slot
         self._emit = emit
         self._policy = Backoff(reconnect_initial_s, reconnect_max_s, backoff_reset_after_s)
         self._troubles, self._last_log = 0, -math.inf  # failed opens and short sessions since a good session
@@ -233,6 +237,8 @@ class IngestThread(OwnThread):
                              colour=frame.colour)
             # NVDEC frames are NV12 in GPU memory (rgb None), valid once `ready` fires on the GPU
             pixels = frame.rgb if frame.nv12 is None else frame.nv12
+            if isinstance(pixels, NV12Planes) and not self._takes_planes:
+                pixels = np.asarray(pixels)  # an in-engine ring takes arrays; an ingest process's writes planes itself
             if not self.ring.write(meta, pixels, self._stop, frame.ready):
                 break
             self.seq += 1

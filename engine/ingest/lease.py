@@ -82,6 +82,10 @@ class Lease:
     segment_retry: Optional[tuple[int, int, float, float]] = None  # (h, w, since, next try): no fd for a segment
     retry_at: float = 0.0
     fanout: tuple[FrameRing, ...] = ()  # the other pools' rings: each committed frame is copied into them here
+    #: where its process decodes it (wire.AddStream.decode): "cpu", or the stream's "auto" / "cuda" when it may decode
+    #: with NVDEC (ingest.gpu_transport shm: NV12 copied into host slots)
+    decode: str = "cpu"
+    gpu: bool = False  # its process said it decodes it on the GPU (StreamState.decode_device): one CUDA context there
 
     @property
     def stream(self) -> str:

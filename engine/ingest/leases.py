@@ -54,7 +54,9 @@ class Leases:
         whose slots the process writes; `fanout`, the other pools' rings (a stream feeding several pools)."""
         remote = RemoteIngest(self._submit, source, ring, scfg.mode == "live", fanout)
         size = getattr(source, "frame_size", None)
-        lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None, fanout=tuple(fanout))
+        lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None, fanout=tuple(fanout),
+                      decode=getattr(source, "decode", "cpu") if getattr(source, "decode_device", "cpu") != "cpu"
+                      else "cpu")
         # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
         # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
         lease.gen = lease.assign_gen = next(self._gens)
@@ -179,12 +181,31 @@ class Leases:
         r.lag_s = msg.lag_s
         if msg.decode_device:
             r.source.decode_device = msg.decode_device
+            r.source.decode_reason = msg.decode_reason or r.source.decode_reason
+            self._gpu_decoding(lease, msg.decode_device == "cuda")
         lease.next_seq = max(lease.next_seq, msg.seq)
         r.seq = lease.next_seq
         if not r.failed:
             r.state, r.failed, r.end_reason = msg.state, msg.failed, msg.end_reason
         if msg.final:
             self.end(lease)
+
+    def _gpu_decoding(self, lease: Lease, gpu: bool) -> None:
+        """Its process decodes the stream on the GPU (or no longer does): each such process holds a CUDA context of
+        its own, so how many do is logged when it changes (and shown in `list`: ProcessManager.describe)."""
+        if lease.gpu == gpu or lease.proc is None:
+            return
+        lease.gpu = gpu
+        proc = lease.proc
+        if gpu:
+            proc.gpu_streams.add(lease.stream)
+        else:
+            proc.gpu_streams.discard(lease.stream)
+        if len(proc.gpu_streams) == int(gpu):  # its first GPU stream, or its last one gone
+            held = sum(1 for p in self._procs.procs.values() if p.gpu_streams)
+            log.info("ingest: %s %s on the GPU (stream %s): %d ingest process(es) hold a CUDA context of their own "
+                     "(~300-500 MB of GPU memory each, expected)", proc.label,
+                     "decodes" if gpu else "no longer decodes", lease.stream, held)
 
     def _stopped_unasked(self, lease: Lease) -> None:
         """A process stopped a stream the engine never asked it to stop (an Exit or a RemoveStream the engine did
@@ -292,6 +313,7 @@ class Leases:
             ring.close()
         if lease.segment is not None:
             lease.segment.unlink()
+        self._gpu_decoding(lease, False)
         proc, lease.proc = lease.proc, None
         if proc is not None:
             proc.streams.discard(lease.stream)
@@ -341,7 +363,8 @@ class Leases:
         ic, src = self.cfg, self.cfg.source
         cmds: list = [wire.AddStream(lease.stream, lease.gen, lease.cfg.model_dump(mode="json"),
                                      src.model_dump(mode="json"), ic.ring.max_frame_pixels,
-                                     ic.budget.latency_ms / 1e3, lease.next_seq, lease.ring.pixel_format)]
+                                     ic.budget.latency_ms / 1e3, lease.next_seq, lease.ring.pixel_format,
+                                     lease.decode)]
         seg = lease.segment
         if seg is not None:  # a restart: the same slots, lent again under the new generation
             cmds += [wire.Slots(lease.stream, lease.gen, seg.name, seg.count, seg.h, seg.w),
@@ -403,7 +426,7 @@ class Leases:
             lease = self.leases.get(stream)
             if lease is None:
                 continue
-            lease.proc = None
+            lease.proc, lease.gpu = None, False  # its next process says again where it decodes
             self.pending.forget(stream)  # CUDA copies it queued and never finished: never admitted, counted
             lease.ring.reclaim()  # its lent slots; the frames it delivered stay READY and are published
             # removed, failed (a state it sent before dying), or stopped (its ring closed before the removal reached

@@ -1,11 +1,12 @@
 """The ingest process: today's IngestThread per stream, writing into slots the core lent it.
 
 Started by the core (client.py) with multiprocessing's forkserver context, `av` and `numpy` preloaded in the
-server, so a child starts in milliseconds and never forks a process that has threads. No torch here: frames
-are numpy arrays copied into the core's shared-memory slots. RemoteRing also takes NVDEC's NV12 CUDA frames
-into a CUDA IPC pool the core exported (wire.CudaSlots, cuda_slots.py; torch is imported only when such a pool
-is attached), but the core does not place NVDEC streams in processes yet (engine/core/stream_table.py
-`_in_process`), and that path has run on the CPU with fakes only.
+server, so a child starts in milliseconds and never forks a process that has threads. No torch for CPU
+decoders: frames are numpy arrays (or a decoder's planes, convert.NV12Planes) copied into the core's
+shared-memory slots. A stream the core sent with decode auto/cuda (ingest.gpu_transport shm) decodes with NVDEC
+here (torch imported by its source) and its NV12 CUDA frames are copied into the same host slots (_download).
+RemoteRing also takes such frames into a CUDA IPC pool the core exported (wire.CudaSlots, cuda_slots.py), which
+the core does not lend yet. Both GPU paths have run on the CPU with fakes only.
 
 Threads (vLLM's EngineCoreProc shape): the main thread receives commands (add, remove, slots, credits) and
 sends heartbeats with every stream's state; one IngestThread per stream decodes and writes. The streams'
@@ -39,6 +40,7 @@ from engine.frames.ingest import IngestThread
 from engine.frames.lifecycle import DropReason, FrameMeta
 from engine.ingest import wire
 from engine.ingest.slots import Segment, check_name
+from streams.convert import NV12Planes
 
 log = logging.getLogger("vidar.ingest")
 
@@ -69,6 +71,9 @@ class RemoteRing:
     sends FrameReady. Live without a credit: the frame is dropped here, before any copy, and counted
     (ring_full, reported in every FrameReady and StreamState). Offline: waits for a credit, so back-pressure
     reaches the decoder. A new frame size asks the core for new slots (Geometry) and drops its credits."""
+
+    #: a CPU decoder's NV12 frames come as convert.NV12Planes, written by write() straight into the slot
+    takes_planes = True
 
     def __init__(self, stream: str, *, live: bool, gen: int, send: _Sender, max_frame_pixels: int, run: str = "",
                  pixel_format: str = "rgb24"):
@@ -173,7 +178,17 @@ class RemoteRing:
             if ask is not None:  # sent without the condition held: a send that blocks holds up only this stream
                 self._send(ask)
         if isinstance(seg, Segment):
-            np.copyto(seg.array[slot], frame)  # the frame's one copy, into the core's memory
+            if isinstance(frame, NV12Planes):  # a CPU decoder's planes, straight into the slot in one pass
+                frame.write_into(seg.array[slot])
+            elif ready is not None or not isinstance(frame, np.ndarray):  # NVDEC's NV12 (GPU), into host slots
+                try:
+                    _download(frame, ready, seg.array[slot])
+                except ValueError as err:  # the stream fails with the reason (its IngestThread), never half written
+                    with self._cond:
+                        self._credits.appendleft(slot)
+                    raise SourceError(self.stream, str(err)) from None
+            else:
+                np.copyto(seg.array[slot], frame)  # the frame's one copy, into the core's memory
         else:  # NVDEC: queued on the GPU after `ready` and the core's released[slot]; written[slot] recorded
             seg.write(slot, frame, ready, self._copy_stream, self._cuda)
         d = math.inf if not math.isfinite(meta.deadline) else meta.deadline
@@ -193,14 +208,28 @@ class RemoteRing:
         elif ready is None and self.pixel_format == "rgb24" and isinstance(frame, np.ndarray) and frame.ndim == 3 \
                 and frame.shape[2] == 3 and frame.dtype == np.uint8:
             return int(frame.shape[0]), int(frame.shape[1])
-        elif ready is None and self.pixel_format == "nv12" and isinstance(frame, np.ndarray) and frame.ndim == 2 \
-                and frame.dtype == np.uint8 and frame.shape[0] % 3 == 0 and frame.shape[1] % 2 == 0:
+        elif ready is None and self.pixel_format == "nv12" and isinstance(frame, (np.ndarray, NV12Planes)) \
+                and frame.ndim == 2 and frame.dtype == np.uint8 and frame.shape[0] % 3 == 0 and frame.shape[1] % 2 == 0:
             return int(frame.shape[0]) * 2 // 3, int(frame.shape[1])
         else:
             expected = ("an (H * 3 // 2, W) uint8 NV12 numpy array" if self.pixel_format == "nv12" else
                         "an HxWx3 uint8 numpy array (rgb24)") + " or an NV12 uint8 CUDA tensor"
         what = f"{frame.dtype} {tuple(frame.shape)}" if hasattr(frame, "shape") else type(frame).__name__
         raise SourceError(self.stream, f"decoder produced {what}, expected {expected}")
+
+
+def _download(frame: Any, ready: Any, dst: np.ndarray) -> None:
+    """NVDEC's NV12 frame (a CUDA tensor, valid once `ready` fired) into a host slot (ingest.gpu_transport shm).
+    The host waits for the decoder's copy-out first: the copy below runs on this thread's current stream, which
+    is not the decoder's. Into pageable memory (the slot is /dev/shm) the driver stages the copy and returns when
+    it is done, so the FrameReady sent next never points at a slot still being written. Not run on a GPU yet."""
+    import torch  # only a process that decodes on the GPU gets here (torch is imported by its NVDEC source)
+
+    if tuple(frame.shape) != dst.shape:  # NVDEC's NV12 into slots of another layout (the core chose RGB)
+        raise ValueError(f"an NV12 frame {tuple(frame.shape)} from the GPU does not fit a slot of {dst.shape}")
+    if ready is not None:
+        ready.synchronize()
+    torch.from_numpy(dst).copy_(frame)
 
 
 class _Stream(IngestThread):
@@ -241,7 +270,7 @@ class _Child:
         try:
             source = sources.open_source(scfg.id, scfg.url, open_timeout_s=src.open_timeout_s,
                                          read_timeout_s=src.stall_timeout_s / 2, max_frame_pixels=msg.max_frame_pixels,
-                                         decode="cpu")
+                                         decode=msg.decode)
         except SourceError as err:  # checked by the core already: a file gone since, say
             self.refuse(msg, err.reason)
             return

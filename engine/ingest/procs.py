@@ -215,7 +215,8 @@ class ProcessManager:
         return {p.idx: p.handle.pid for p in list(self.procs.values())}
 
     def describe(self) -> list[dict]:
-        return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated}
+        return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated,
+                 "gpu_streams": sorted(p.gpu_streams)}
                 for p in list(self.procs.values())]
 
 

@@ -105,6 +105,7 @@ class AddStream(_Msg):
     budget_s: float
     start_seq: int
     pixel_format: str = "rgb24"  # what the stream's frames are written as (slots.slot_shape): the core's choice
+    decode: str = "cpu"          # where the process decodes it (streams.sources.open_source): the core's choice
 
 
 class RemoveStream(_Msg):

@@ -29,6 +29,8 @@ class _Ring:
 
     def write(self, meta, frame, stop=None, ready=None) -> bool:
         assert frame is not None and self.free(meta.seq), meta.seq  # only frames that had a slot get here
+        # a ring that does not say it takes NV12Planes (RemoteRing.takes_planes) gets arrays
+        assert isinstance(frame, np.ndarray), type(frame)
         self.written.append(meta.seq)
         self.next = meta.seq + 1
         return True
@@ -46,7 +48,7 @@ class _Ring:
 def test_frames_without_a_slot_are_dropped_unconverted_and_counted(tmp_path, monkeypatch, fmt):
     clip = write_clip(tmp_path / "c.mp4", 90, size=(64, 48), fps=240, gop=10)
     converted = []
-    for name in ("to_rgb", "to_nv12"):
+    for name in ("to_rgb", "nv12_planes"):
         real = getattr(pyav, name)
         monkeypatch.setattr(pyav, name, lambda f, real=real: converted.append(f.pts) or real(f))
     ring = _Ring(lambda seq: seq % 3 != 1)  # one frame in three finds every slot in use
@@ -94,3 +96,39 @@ def test_remote_ring_wants_a_frame_unless_its_size_s_slots_are_all_lent_out(tmp_
     finally:
         ring.close()
         seg.unlink()
+
+
+def test_remote_ring_writes_nv12_planes_straight_into_the_slot(tmp_path, monkeypatch):
+    """A CPU decoder's NV12 frame (convert.NV12Planes) reaches the ingest process's slot byte for byte."""
+    from streams.convert import NV12Planes, to_nv12
+    from tests.support.colour import tagged_frames
+    from tests.support.ingest import one_lent_slot
+
+    f = tagged_frames(None, None, n=1, size=(72, 48))[0]
+    with one_lent_slot(monkeypatch, tmp_path, "a", 48, 72) as (ring, seg, meta):
+        seg.array[0].fill(7)
+        assert ring.write(meta, NV12Planes(f))
+        assert np.array_equal(seg.array[0], to_nv12(f)[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_ring_that_takes_planes_gets_them_unwritten(tmp_path):
+    """An ingest process's ring (RemoteRing.takes_planes) is handed the decoder's planes, not an array made first:
+    the frame's bytes are written once, into the slot."""
+    from streams.convert import NV12Planes
+
+    got = []
+
+    class _PlanesRing(_Ring):
+        takes_planes = True
+
+        def write(self, meta, frame, stop=None, ready=None) -> bool:
+            got.append(type(frame))
+            return True
+
+    src = FileSource("cam", str(write_clip(tmp_path / "c.mp4", 6, size=(64, 48))))
+    src.pixel_format = "nv12"
+    t = IngestThread(src, _PlanesRing(lambda seq: True), live=False, loop=False, budget_s=1.0, emit=lambda *a: None)
+    t.start()
+    t._thread.join(30)
+    assert got == [NV12Planes] * 6

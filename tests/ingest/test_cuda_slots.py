@@ -3,9 +3,9 @@
 NOT RUN ON A GPU: the fake (engine/testing/fake_cuda.py) plays both processes in one, sharing its events and
 blocks the way CUDA IPC shares them between two. What these tests prove is the ordering logic of
 engine/ingest/cuda_slots.py, engine/frames/storage.DeviceSharedSlots and the RemoteRing's CUDA path: which stream
-waits on which event, what the core's host polls, what is never created per frame. The core's ingest-io thread
-does not place NVDEC streams in processes yet (engine/core/stream_table.py `_in_process`), so no running engine
-takes this path; benchmarks/gpu_check.py `--only ingest_gpu` is where a device would run it.
+waits on which event, what the core's host polls, what is never created per frame. The core does not lend CUDA
+IPC pools to ingest processes yet (NVDEC streams there write host slots: tests/ingest/test_nvdec_in_process.py),
+so no running engine takes this path; benchmarks/gpu_check.py `--only ingest_gpu` is where a device would run it.
 """
 
 from __future__ import annotations

@@ -55,13 +55,30 @@ def test_nv12_is_the_decoded_planes_unconverted_with_their_colour(matrix, range_
         assert (rgb - ref).abs().mean() < 1.5
 
 
+@pytest.mark.parametrize("size", [(72, 48), (96, 66), (320, 240)])
+def test_nv12_planes_write_the_decoded_planes_straight_into_a_slot(size):
+    """What an ingest process's slot gets (convert.NV12Planes.write_into): the same bytes as to_nv12's array,
+    read through each plane's padded rows (FFmpeg's line_size), every byte of the slot written."""
+    for f in tagged_frames(None, None, n=2, size=size):
+        planes = convert.nv12_planes(f)
+        assert isinstance(planes, convert.NV12Planes) and planes.shape == (f.height * 3 // 2, f.width)
+        slot = np.full(planes.shape, 7, np.uint8)
+        planes.write_into(slot)
+        ref = nv12_of(f) if f.height % 4 == 0 else torch.from_numpy(f.reformat(format="nv12").to_ndarray())
+        assert torch.equal(torch.from_numpy(slot), ref)
+        assert np.array_equal(np.asarray(planes), slot)
+    assert f.planes[0].line_size > f.width or size != (72, 48)  # the padded-rows case is really exercised
+
+
 def test_nv12_of_odd_sizes_and_other_formats_goes_through_swscale():
     f = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(format="yuv444p")
     ours, _ = convert.to_nv12(f)
     assert np.array_equal(ours, f.reformat(format="nv12").to_ndarray())
+    assert isinstance(convert.nv12_planes(f), np.ndarray)  # not 4:2:0: no planes to hand out
     odd = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(width=63, height=47)
     ours, _ = convert.to_nv12(odd)
     assert ours.shape == (46 * 3 // 2, 62)
+    assert isinstance(convert.nv12_planes(odd), np.ndarray)
 
 
 @pytest.mark.parametrize("live, w, h, count", [(True, 320, 240, 1), (True, 640, 480, 0), (True, 1280, 720, 0),

@@ -3,6 +3,7 @@ with the check that nothing of it is left, and readers of what a Collector got."
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import psutil
@@ -54,3 +55,26 @@ def balanced(eng):
 def proc_of(eng, stream):
     label = eng.streams[stream].ingest.process  # "ingest-1 (pid 1234)"
     return int(label.rsplit("pid ", 1)[1].rstrip(")")) if "pid" in label else None
+
+
+@contextlib.contextmanager
+def one_lent_slot(monkeypatch, tmp_path, stream: str, h: int, w: int, *, pixel_format: str = "nv12",
+                  live: bool = True):
+    """An ingest process's RemoteRing with one slot of h x w lent to it (segment in tmp_path), and a FrameMeta-like
+    object for its write(): (ring, segment, meta). Both closed and unlinked after."""
+    from engine.ingest import process as ingest_process
+    from engine.ingest import wire
+
+    monkeypatch.setattr(ingest_slots, "SHM_DIR", str(tmp_path))
+    ring = ingest_process.RemoteRing(stream, live=live, gen=1, send=lambda m: None, max_frame_pixels=10 ** 6,
+                                     run="0123abcdp1s2", pixel_format=pixel_format)
+    seg = ingest_slots.Segment(f"vidar-0123abcdp1s2-{stream}-1", 1, h, w, create=True, pixel_format=pixel_format)
+    try:
+        ring.attach(wire.Slots(stream, 1, seg.name, 1, h, w))
+        ring.credit(wire.Credit(stream, 1, [0]))
+        meta = type("M", (), {"seq": 0, "pts": 0.0, "t_capture": 0.0, "t_capture_mono": 0.0, "deadline": 1e9,
+                              "decode_s": 0.0, "colour": ("bt601", "limited")})()
+        yield ring, seg, meta
+    finally:
+        ring.close()
+        seg.unlink()
