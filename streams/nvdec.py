@@ -472,6 +472,15 @@ class _NvdecDecoding:
         super().close()
 
 
+def cpu_fallback(source: Any) -> Optional[str]:
+    """Why a stream that could have decoded with NVDEC (`decode: auto` on a CUDA machine) decodes on the CPU, or
+    None: it decodes with NVDEC, has not opened yet, or never could (no CUDA: a plain PyAV source). For an ingest
+    process's stream the engine's copy of its source carries what the process reported (leases.py)."""
+    if isinstance(source, _NvdecDecoding) and source.decode_device == "cpu":
+        return source.decode_reason
+    return None
+
+
 def _copy(packet: av.Packet) -> av.Packet:
     """A packet of the same bytes and timing, for PyAV to decode (compressed data: kilobytes)."""
     again = av.Packet(bytes(packet))

@@ -28,6 +28,7 @@ from engine.publish.metrics import Metrics
 from engine.executor.pool import Pool
 from engine.publish.publisher import Publisher
 from engine.core.stream_table import StreamTable, lag_of
+from streams.nvdec import cpu_fallback
 from engine.models.base import ModelRunner
 from engine.sched.tuning import usable_cores
 from engine.models.registry import auto_plan, build_pool
@@ -267,7 +268,8 @@ class Engine:
 
     def stream_counters(self) -> dict[str, dict[str, int]]:
         """Per-stream counters outside the frame accounting (metrics and the status line)."""
-        out: dict[str, dict] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}, "lag_s": {}}
+        out: dict[str, dict] = {"ring_overwrites": {}, "decode_errors": {}, "reconnects": {}, "lag_s": {},
+                                "decode_fallback": {}}
         for entry in self.table.snapshot() if self.table else []:
             out["ring_overwrites"][entry.id] = sum(r.overwrites for r in entry.rings.values())
             if entry.ingest is not None:
@@ -275,6 +277,8 @@ class Engine:
                 out["reconnects"][entry.id] = entry.ingest.reconnects
                 if (lag := lag_of(entry)) is not None:  # a gauge, for live network streams only
                     out["lag_s"][entry.id] = lag
+                if (why := cpu_fallback(entry.ingest.source)) is not None:  # NVDEC possible, the CPU decodes
+                    out["decode_fallback"][entry.id] = why
         if self.publisher is not None:
             out["events_dropped"] = dict(self.publisher.stats.events_dropped)
             out["publish_missed"] = dict(self.publisher.stats.missed)

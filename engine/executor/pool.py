@@ -88,13 +88,15 @@ class Pool:
 
     def fallbacks(self) -> dict[str, str]:
         """The GPU pieces this pool runs without, each with why (issue 43 item 4): its runners' CUDA graphs after a
-        failed capture or a rebuild (engine/models/graphs.py eager_reason). Empty where nothing fell back, and on
-        the CPU, where no graph is tried."""
+        failed capture or a rebuild (engine/models/graphs.py eager_reason), and its processor's (SAM 2's tracking
+        step graphs). Empty where nothing fell back, and on the CPU, where no graph is tried."""
         out: dict[str, str] = {}
         for m in list(self.slots.models):
             graphs = getattr(m, "graphs", None)
             if graphs is not None and getattr(graphs, "eager_reason", None):
                 out.setdefault("cuda_graphs", graphs.eager_reason)
+        if self.spec.processor is not None:
+            out.update(self.spec.processor.fallbacks())
         return out
 
     # -- start / stop -------------------------------------------------------------------------

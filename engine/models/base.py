@@ -83,6 +83,10 @@ class PostProcessor(ABC):
     def close(self) -> None:
         """The pool stopped and its output thread ended: free what the processor holds (GPU memory)."""
 
+    def fallbacks(self) -> dict[str, str]:
+        """The GPU pieces this processor runs without, each with why (Pool.fallbacks); read from any thread."""
+        return {}
+
     def add_stream(self, stream: str) -> None:
         """A stream starts feeding the pool."""
 

@@ -183,6 +183,13 @@ class Sam2PostProcessor(PostProcessor):
     def __init__(self, stage: TrackingStage):
         self.stage = stage
 
+    def fallbacks(self) -> dict[str, str]:
+        """The tracking step's CUDA graphs, when their capture failed (every step eager: sam2_step.StepGraphs)."""
+        for graphs in list(self.stage.graphs.values()):
+            if graphs.dispatcher.eager_reason:
+                return {"tracking_graphs": graphs.dispatcher.eager_reason}
+        return {}
+
     def warmup(self) -> None:
         with on_stream(self.stage.cuda_stream):
             seconds = self.stage.warmup()

@@ -71,6 +71,11 @@ class _AccountingCollector:
         for stream, seconds in counters.get("lag_s", {}).items():
             lag.add_metric([stream], seconds)
         yield lag
+        nvdec = GaugeMetricFamily("vidar_decode_fallback", "A stream that could decode with NVDEC (decode auto on a "
+                                  "CUDA machine) decodes on the CPU (1), and why", labels=["stream", "reason"])
+        for stream, why in counters.get("decode_fallback", {}).items():
+            nvdec.add_metric([stream, why[:200]], 1)
+        yield nvdec
         if "decoder_threads_stuck" in counters:
             stuck = CounterMetricFamily("vidar_decoder_threads_stuck", "Decoder threads of removed streams still "
                                         "blocked after the reap bound (a read that cannot be interrupted), let go")

@@ -314,3 +314,23 @@ def test_the_core_is_woken_by_the_frame_past_its_slack_and_by_anything_else_at_o
     core._absorb = 5
     core.wake()  # a finishing worker, a control request: never absorbed
     assert core._wake.is_set()
+
+
+def test_a_pools_fallbacks_include_its_processors():
+    """Pool.fallbacks (the `list` entries' `fallbacks`, vidar_gpu_fallback) names what its processor runs without,
+    as SAM 2's tracking stage does after a failed capture of its step graphs (tests/models/test_sam2_step_graphs.py)."""
+    from engine.models.base import PostProcessor
+
+    class _Eager(PostProcessor):
+        def process(self, frames, fields):
+            return fields, lambda: None
+
+        def fallbacks(self):
+            return {"tracking_graphs": "capture failed: RuntimeError: out of memory"}
+
+    pool = Pool(PoolSpec("sam2", [NoopRunner()], None, max_batch=4, processor=_Eager()), publisher=_Publisher(),
+                faults=FaultsConfig(), max_wait_s=0.004, credit=8)
+    try:
+        assert pool.fallbacks() == {"tracking_graphs": "capture failed: RuntimeError: out of memory"}
+    finally:
+        pool.abort(drop=DropReason.SHUTDOWN)

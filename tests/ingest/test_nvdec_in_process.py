@@ -102,3 +102,29 @@ def test_remote_ring_copies_an_nvdec_frame_into_a_host_slot_after_its_event(tmp_
         with pytest.raises(SourceError, match=r"stream 'h': .*does not fit a slot"):
             ring.write(meta, nv12, ready=ready)
         assert (seg.array[0] == 7).all()
+
+
+def test_nvdec_refusing_a_stream_is_a_cpu_fallback_in_list_and_in_a_metric(monkeypatch, clip48, endpoint):
+    """decode auto, NVDEC failing before the stream's first frame: the CPU decodes it (the engine keeps
+    publishing), `list` says where and why, and vidar_decode_fallback{stream, reason} is 1 (issue 43 item 4).
+    Here as a thread (gpu_transport threads); in a process the engine's copy of the source carries what the
+    process reported, the same way (the device and reason of the test above)."""
+    install(monkeypatch, FakeNvdec(fail_on_calls=(1,)))
+    streams = [{"id": "g", "url": str(clip48), "mode": "offline", "decode": "auto"}]
+    cfg = engine_config(streams, endpoint, models={"classify": {"device": "cpu"}}, budget={"latency_ms": 1000},
+                        ingest={"processes": 1, "gpu_transport": "threads"})
+    reader, col = _Reader(), Collector(endpoint, ["g"])
+    eng = Engine(cfg, models={"classify": reader})
+    try:
+        eng.start()
+        assert wait_for(eng.finished, 40)
+        decode = eng.describe()["g"]["decode"]
+        value = eng.metrics.registry.get_sample_value("vidar_decode_fallback",
+                                                      {"stream": "g", "reason": decode["reason"]})
+    finally:
+        stop_engine(eng)
+        col.wait(10)
+    assert decode["device"] == "cpu" and "NVDEC failed before the stream's first frame" in decode["reason"], decode
+    assert value == 1
+    with av.open(str(clip48)) as c:
+        assert len(reader.seen) == sum(1 for _ in c.decode(video=0))  # every frame published, decoded on the CPU

@@ -7,6 +7,7 @@ px, random biased checkpoint, CPU float32."""
 import pytest
 import torch
 
+from engine.models.sam2 import Sam2PostProcessor
 from engine.models.sam2_tracker import Prompt, TrackingStage
 from engine.testing.sam2_ref import SIZE
 from tests.support.fake_graphs import FakeBackend
@@ -84,6 +85,8 @@ def test_a_padded_step_a_step_over_the_graphs_or_a_failed_capture_runs_eager(mod
     stage = TrackingStage(model, max_objects=4, graphs=True, graph_backend=backend)
     stage.warmup()
     assert stage.graphs[SIZE].captured == () and "capture failed" in stage.graphs[SIZE].dispatcher.eager_reason
+    # said where an operator looks: the pool's fallbacks (its streams' `list` entries, vidar_gpu_fallback)
+    assert Sam2PostProcessor(stage).fallbacks() == {"tracking_graphs": stage.graphs[SIZE].dispatcher.eager_reason}
     # without a graph the step is the eager one, and the stage goes on
     stage.add_stream("s")
     stage.add_object("s", Prompt(1, box=BOXES[1]))
@@ -98,6 +101,7 @@ def test_a_padded_step_a_step_over_the_graphs_or_a_failed_capture_runs_eager(mod
     assert not g.serves(1, full, 64, None)  # nothing captured yet
     captured = TrackingStage(model, max_objects=4, graphs=True, graph_backend=FakeBackend())
     captured.warmup()
+    assert Sam2PostProcessor(captured).fallbacks() == {}
     g = captured.graphs[SIZE]
     assert g.serves(1, full, 64, None) and g.serves(3, full, 64, None)
     assert not g.serves(2, full, 64, torch.ones(2, full, dtype=torch.bool))  # padded banks: masked, eager
