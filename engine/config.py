@@ -441,8 +441,8 @@ class IngestConfig(_Strict):
     an ingest process like any other stream (no GIL shared with the engine), its NV12 frames copied from the GPU into
     the stream's shared-memory slots and uploaded again by the pool's batched preprocessing, as CPU-decoded frames
     are; the slot protocol every CPU test covers, for the price of two copies over PCIe a frame. Each ingest process
-    that decodes on the GPU holds a CUDA context of its own (~300-500 MB of GPU memory expected): how many do is
-    logged and shown in `list`. A stream feeding several pools stays a thread (the engine copies into the other
+    that decodes on the GPU holds a CUDA context of its own (~300-500 MB of GPU memory expected, for its life): how
+    many do is logged and is the gauge vidar_ingest_cuda_contexts. A stream feeding several pools stays a thread (the engine copies into the other
     pools' rings on the host). threads: one thread per such stream in the engine process, NV12 kept in GPU memory
     (zero copy, the engine's CUDA context only; all such streams share the engine's GIL). Neither has run on a GPU
     yet (docs/gpu.md); CUDA IPC slots between processes (zero copy without the GIL) are not built into the

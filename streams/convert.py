@@ -47,17 +47,22 @@ def to_nv12(frame: Any) -> tuple[np.ndarray, tuple[str, str]]:
     """(H * 3 // 2, W) uint8 NV12 of a PyAV VideoFrame (the Y plane, then U and V interleaved), and its colour
     (matrix, range) for the conversion downstream. Odd sizes lose their last row or column (NV12 needs even
     ones); other pixel formats (4:2:2, 4:4:4, 10-bit) go through swscale."""
-    planes = nv12_planes(frame)
-    return (np.asarray(planes) if isinstance(planes, NV12Planes) else planes), frame_colour_or_nearest(frame)
+    planes, colour = nv12_planes(frame)
+    return (np.asarray(planes) if isinstance(planes, NV12Planes) else planes), colour
 
 
-def nv12_planes(frame: Any) -> "NV12Planes | np.ndarray":
-    """What a CPU decoder hands out for an NV12 slot: the frame's planes still unwritten (NV12Planes) where the
-    frame is 8-bit 4:2:0 planar of even size (what cameras send), else the array swscale makes."""
+def nv12_planes(frame: Any) -> tuple["NV12Planes | np.ndarray", tuple[str, str]]:
+    """What a CPU decoder hands out for an NV12 slot, and its colour (matrix, range): the frame's planes still
+    unwritten (NV12Planes) where the frame is 8-bit 4:2:0 planar of even size (what cameras send), else the array
+    swscale makes. swscale makes limited range of a full-range "yuvj" frame (measured: 15 -> 29, 255 -> 235), so
+    such an array says limited."""
+    colour = frame_colour_or_nearest(frame)
     if frame.format.name in _I420 and not (frame.width | frame.height) & 1:
-        return NV12Planes(frame)
+        return NV12Planes(frame), colour
     h, w = frame.height & ~1, frame.width & ~1
-    return frame.reformat(width=w, height=h, format="nv12").to_ndarray()
+    if frame.format.name.startswith("yuvj"):
+        colour = (colour[0], "limited")
+    return frame.reformat(width=w, height=h, format="nv12").to_ndarray(), colour
 
 
 class NV12Planes:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -198,6 +199,7 @@ class CudaOps(Protocol):
     def new_stream(self, gpu: int) -> Any: ...
     def new_event(self) -> Any: ...
     def stream_context(self, stream: Any) -> AbstractContextManager: ...
+    def initialized(self) -> bool: ...
 
 
 class TorchCuda:
@@ -218,6 +220,11 @@ class TorchCuda:
     def stream_context(self, stream: Any) -> AbstractContextManager:
         import torch
         return torch.cuda.stream(stream)
+
+    def initialized(self) -> bool:
+        """Whether this process made its CUDA context (held until it exits): never imports torch to answer."""
+        torch = sys.modules.get("torch")
+        return torch is not None and torch.cuda.is_initialized()
 
 
 cuda_ops: CudaOps = TorchCuda()
@@ -403,7 +410,7 @@ class _NvdecDecoding:
         self._chosen(device, reason, cuda)
 
     def _chosen(self, device: str, reason: str, cuda: bool) -> None:
-        self.decode_device, self.decode_reason = device, reason
+        self.decode_reason, self.decode_device = reason, device  # the reason first: cpu_fallback reads the device
         if self._told != (device, reason):  # once per stream while the choice holds, not at every reconnect
             self._told = (device, reason)
             tell_choice(self.stream_id, device, reason, cuda_available=cuda)

@@ -31,7 +31,7 @@ from engine.errors import SourceOpenError
 
 from streams.base import DecodedFrame, Source
 from streams.clock import LiveSession
-from streams.convert import frame_colour_or_nearest, nv12_planes, to_rgb
+from streams.convert import nv12_planes, to_rgb
 from streams.urls import redact_url, url_scheme
 
 _NOT_VIDEO_FORMATS = {"tty"}
@@ -224,7 +224,7 @@ class _PyAVSource(Source):
                     continue
                 c0 = time.monotonic()
                 if nv12:  # written into its slot later, straight from the decoder's planes (convert.NV12Planes)
-                    yuv, colour = nv12_planes(frame), frame_colour_or_nearest(frame)
+                    yuv, colour = nv12_planes(frame)
                     rgb = None
                 else:
                     rgb, yuv, colour = to_rgb(frame), None, ("bt601", "limited")

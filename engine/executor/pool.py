@@ -95,8 +95,9 @@ class Pool:
             graphs = getattr(m, "graphs", None)
             if graphs is not None and getattr(graphs, "eager_reason", None):
                 out.setdefault("cuda_graphs", graphs.eager_reason)
-        if self.spec.processor is not None:
-            out.update(self.spec.processor.fallbacks())
+        fallbacks = getattr(self.spec.processor, "fallbacks", None)  # processors need not derive PostProcessor
+        if fallbacks is not None:
+            out.update(fallbacks())
         return out
 
     # -- start / stop -------------------------------------------------------------------------

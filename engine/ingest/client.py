@@ -112,7 +112,8 @@ class IngestHub:
         ls = self.leases
         return {"stale_descriptors": ls.stale_descriptors, "bad_messages": self.bad_messages + ls.bad_messages,
                 "bad_commands": sum(p.bad_commands for p in list(self.procs.procs.values())),
-                "restarts": ls.restarts, "processes": len(self.procs.procs), "cuda_unadmitted": ls.pending.dropped}
+                "restarts": ls.restarts, "processes": len(self.procs.procs), "cuda_unadmitted": ls.pending.dropped,
+                "cuda_contexts": sum(1 for p in list(self.procs.procs.values()) if p.cuda)}
 
     def pids(self) -> dict[int, int]:
         return self.procs.pids()
@@ -205,6 +206,9 @@ class IngestHub:
             proc.last_beat = time.monotonic()
             if isinstance(msg, wire.Heartbeat):
                 proc.bad_commands = msg.bad_commands
+                if msg.cuda != proc.cuda:
+                    proc.cuda = msg.cuda
+                    self._say_cuda(f"{proc.label} made a CUDA context (a stream decoding with NVDEC opened there)")
             else:
                 proc.ready, proc.pid = True, msg.pid
                 for s in proc.streams:
@@ -215,6 +219,13 @@ class IngestHub:
             self.leases.handle(msg, touched)
         else:  # a command type sent up (a bug or a forgery): never ours to act on
             self.bad_messages += 1
+
+    def _say_cuda(self, what: str) -> None:
+        """How many ingest processes hold a CUDA context of their own, said when it changes: each costs GPU memory
+        (~300-500 MB expected, not measured yet) for the process's life, whatever its streams do since."""
+        held = sum(1 for p in self.procs.procs.values() if p.cuda)
+        log.info("ingest: %s: %d ingest process(es) now hold a CUDA context of their own (~300-500 MB of GPU memory "
+                 "each, expected)", what, held)
 
     def _apply_inbox(self, credit: set[str]) -> None:
         while self._inbox:
@@ -244,6 +255,8 @@ class IngestHub:
         touched = self._read_all(proc)
         self._drop_reader(proc.up)
         self.procs.reap(proc)
+        if proc.cuda:
+            self._say_cuda(f"{proc.label} ended")
         self.leases.credit_after_death(proc, touched)
         self.leases.died(proc, reason, self._closing)
 

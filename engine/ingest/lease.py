@@ -85,7 +85,6 @@ class Lease:
     #: where its process decodes it (wire.AddStream.decode): "cpu", or the stream's "auto" / "cuda" when it may decode
     #: with NVDEC (ingest.gpu_transport shm: NV12 copied into host slots)
     decode: str = "cpu"
-    gpu: bool = False  # its process said it decodes it on the GPU (StreamState.decode_device): one CUDA context there
 
     @property
     def stream(self) -> str:

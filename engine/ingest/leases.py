@@ -180,32 +180,15 @@ class Leases:
         r.source.decode_errors = msg.decode_errors
         r.lag_s = msg.lag_s
         if msg.decode_device:
-            r.source.decode_device = msg.decode_device
+            # the reason first: a reader of the device (streams.nvdec.cpu_fallback) never sees an older reason
             r.source.decode_reason = msg.decode_reason or r.source.decode_reason
-            self._gpu_decoding(lease, msg.decode_device == "cuda")
+            r.source.decode_device = msg.decode_device
         lease.next_seq = max(lease.next_seq, msg.seq)
         r.seq = lease.next_seq
         if not r.failed:
             r.state, r.failed, r.end_reason = msg.state, msg.failed, msg.end_reason
         if msg.final:
             self.end(lease)
-
-    def _gpu_decoding(self, lease: Lease, gpu: bool) -> None:
-        """Its process decodes the stream on the GPU (or no longer does): each such process holds a CUDA context of
-        its own, so how many do is logged when it changes (and shown in `list`: ProcessManager.describe)."""
-        if lease.gpu == gpu or lease.proc is None:
-            return
-        lease.gpu = gpu
-        proc = lease.proc
-        if gpu:
-            proc.gpu_streams.add(lease.stream)
-        else:
-            proc.gpu_streams.discard(lease.stream)
-        if len(proc.gpu_streams) == int(gpu):  # its first GPU stream, or its last one gone
-            held = sum(1 for p in self._procs.procs.values() if p.gpu_streams)
-            log.info("ingest: %s %s on the GPU (stream %s): %d ingest process(es) hold a CUDA context of their own "
-                     "(~300-500 MB of GPU memory each, expected)", proc.label,
-                     "decodes" if gpu else "no longer decodes", lease.stream, held)
 
     def _stopped_unasked(self, lease: Lease) -> None:
         """A process stopped a stream the engine never asked it to stop (an Exit or a RemoveStream the engine did
@@ -313,7 +296,6 @@ class Leases:
             ring.close()
         if lease.segment is not None:
             lease.segment.unlink()
-        self._gpu_decoding(lease, False)
         proc, lease.proc = lease.proc, None
         if proc is not None:
             proc.streams.discard(lease.stream)
@@ -426,7 +408,7 @@ class Leases:
             lease = self.leases.get(stream)
             if lease is None:
                 continue
-            lease.proc, lease.gpu = None, False  # its next process says again where it decodes
+            lease.proc = None
             self.pending.forget(stream)  # CUDA copies it queued and never finished: never admitted, counted
             lease.ring.reclaim()  # its lent slots; the frames it delivered stay READY and are published
             # removed, failed (a state it sent before dying), or stopped (its ring closed before the removal reached

@@ -218,6 +218,12 @@ class RemoteRing:
         raise SourceError(self.stream, f"decoder produced {what}, expected {expected}")
 
 
+def _cuda_context() -> bool:
+    """Whether this process holds a CUDA context (an NVDEC stream opened here, its fallback to the CPU or not)."""
+    nvdec = sys.modules.get("streams.nvdec")
+    return nvdec is not None and nvdec.cuda_ops.initialized()
+
+
 def _download(frame: Any, ready: Any, dst: np.ndarray) -> None:
     """NVDEC's NV12 frame (a CUDA tensor, valid once `ready` fired) into a host slot (ingest.gpu_transport shm).
     The host waits for the decoder's copy-out first: the copy below runs on this thread's current stream, which
@@ -323,7 +329,7 @@ class _Child:
             log.warning("ignored a command (%d so far): %s: %s", self.bad_commands, type(err).__name__, err)
 
     def heartbeat(self, gen: int) -> None:
-        self._send(wire.Heartbeat(self.proc, gen, time.monotonic(), self.bad_commands))
+        self._send(wire.Heartbeat(self.proc, gen, time.monotonic(), self.bad_commands, _cuda_context()))
         with self._lock:
             entries = list(self.streams.values())
         for t, g in entries:

@@ -15,8 +15,9 @@ import logging
 import math
 import multiprocessing
 import socket
+import sys
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import zmq
 
@@ -34,6 +35,16 @@ _PRELOAD = ["av", "numpy", "zmq", "msgspec", "engine.ingest.process"]
 #: a gap between two checks of the processes (every 50 ms, client.IngestHub._loop) longer than this (or than a
 #: quarter of hang_after_s) is the engine stalled, not its processes silent
 _STALL_S = 0.5
+
+
+def _gpu_streams_possible(ic: Any) -> bool:
+    """NVDEC streams may decode in ingest processes here (ingest.gpu_transport shm on a CUDA machine): torch is then
+    loaded by the forkserver (importing it makes no CUDA context, so forking after is safe), not by a process's main
+    thread at its first such stream, where seconds of imports would hold up its heartbeat past hang_after_s."""
+    if ic.gpu_transport != "shm":
+        return False
+    torch = sys.modules.get("torch")  # the engine's own: a CPU-only engine never imports it for this
+    return torch is not None and torch.cuda.is_available()
 
 
 def resolve_processes(processes: int | str, streams: int, streams_per_process: int, cores: int) -> tuple[int, str]:
@@ -55,7 +66,7 @@ class ProcessManager:
         self._auto = ic.processes == "auto"
         log.info("ingest: decoders run in processes: %s", rule)
         self._mp = multiprocessing.get_context("forkserver")
-        self._mp.set_forkserver_preload(_PRELOAD)
+        self._mp.set_forkserver_preload(_PRELOAD + (["torch"] if _gpu_streams_possible(ic) else []))
         self._ctx = zmq.Context()
         self.procs: dict[int, IngestProcess] = {}
         self._gens: dict[int, int] = {}
@@ -216,7 +227,7 @@ class ProcessManager:
 
     def describe(self) -> list[dict]:
         return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated,
-                 "gpu_streams": sorted(p.gpu_streams)}
+                 "cuda_context": p.cuda}
                 for p in list(self.procs.values())]
 
 

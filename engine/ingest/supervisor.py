@@ -44,7 +44,7 @@ class IngestProcess:
     up: Any                          # the core's end of its uplink (uplink.Reader): what it sends
     dedicated: bool = False          # holds one quarantined stream
     streams: set = field(default_factory=set)
-    gpu_streams: set = field(default_factory=set)  # those it said it decodes on the GPU: it holds a CUDA context
+    cuda: bool = False  # it said it made a CUDA context (Heartbeat.cuda: an NVDEC stream opened there), held for life
     pid: Optional[int] = None        # as its Ready message says
     os_pid: Optional[int] = None     # its handle's, taken at start: the handle may be closed before Ready came
     ready: bool = False

@@ -38,6 +38,7 @@ class Heartbeat(_Msg):
     gen: int
     t_mono: float
     bad_commands: int = 0    # commands the process could not decode or apply so far (counted, ignored)
+    cuda: bool = False       # the process made a CUDA context (an NVDEC stream opened here): held until it exits
 
 
 class FrameReady(_Msg):

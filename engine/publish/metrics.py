@@ -71,6 +71,11 @@ class _AccountingCollector:
         for stream, seconds in counters.get("lag_s", {}).items():
             lag.add_metric([stream], seconds)
         yield lag
+        if "ingest" in counters:
+            ctx = GaugeMetricFamily("vidar_ingest_cuda_contexts", "Ingest processes holding a CUDA context of their own "
+                                    "(a stream decoding with NVDEC opened there; held for the process's life)")
+            ctx.add_metric([], counters["ingest"].get("cuda_contexts", 0))
+            yield ctx
         nvdec = GaugeMetricFamily("vidar_decode_fallback", "A stream that could decode with NVDEC (decode auto on a "
                                   "CUDA machine) decodes on the CPU (1), and why", labels=["stream", "reason"])
         for stream, why in counters.get("decode_fallback", {}).items():

@@ -158,6 +158,10 @@ class FakeCuda:
     def is_available(self) -> bool:
         return self.available
 
+    def initialized(self) -> bool:
+        """As CUDA's context: made by the first stream, held after."""
+        return bool(self.streams)
+
     def new_stream(self, gpu: int) -> FakeStream:
         self.streams.append(FakeStream(0x7F00 + len(self.streams)))
         return self.streams[-1]

@@ -330,7 +330,11 @@ def test_a_pools_fallbacks_include_its_processors():
 
     pool = Pool(PoolSpec("sam2", [NoopRunner()], None, max_batch=4, processor=_Eager()), publisher=_Publisher(),
                 faults=FaultsConfig(), max_wait_s=0.004, credit=8)
+    bare = Pool(PoolSpec("plugin", [NoopRunner()], None, max_batch=4, processor=object()), publisher=_Publisher(),
+                faults=FaultsConfig(), max_wait_s=0.004, credit=8)  # a processor need not derive PostProcessor
     try:
         assert pool.fallbacks() == {"tracking_graphs": "capture failed: RuntimeError: out of memory"}
+        assert bare.fallbacks() == {}
     finally:
         pool.abort(drop=DropReason.SHUTDOWN)
+        bare.abort(drop=DropReason.SHUTDOWN)

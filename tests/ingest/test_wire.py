@@ -105,7 +105,7 @@ def test_a_dead_process_s_messages_are_drained_to_the_end_not_to_the_first_batch
         hub._add_reader(reader)
         hub._read = functools.partial(hub._read, limit=max(1, sent // 8))  # a batch is a few heartbeats only
         dead = SimpleNamespace(exit_reason=lambda: "test", idx=9, handle=SimpleNamespace(join=lambda _: None),
-                               cmd=SimpleNamespace(close=lambda _: None), up=reader, streams=set())
+                               cmd=SimpleNamespace(close=lambda _: None), up=reader, streams=set(), cuda=False)
         hub._died(dead)  # a process holding no stream: drained, its uplink dropped, nothing to restart
         assert hub.leases.stale_descriptors == 1  # the frame after the heartbeats was read (of a stream gone)
         assert reader.eof and not hub._readers

@@ -3,6 +3,7 @@ and the decoder's thread count for small live frames."""
 
 from __future__ import annotations
 
+import av
 import numpy as np
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_nv12_planes_write_the_decoded_planes_straight_into_a_slot(size):
     """What an ingest process's slot gets (convert.NV12Planes.write_into): the same bytes as to_nv12's array,
     read through each plane's padded rows (FFmpeg's line_size), every byte of the slot written."""
     for f in tagged_frames(None, None, n=2, size=size):
-        planes = convert.nv12_planes(f)
+        planes, _ = convert.nv12_planes(f)
         assert isinstance(planes, convert.NV12Planes) and planes.shape == (f.height * 3 // 2, f.width)
         slot = np.full(planes.shape, 7, np.uint8)
         planes.write_into(slot)
@@ -74,11 +75,23 @@ def test_nv12_of_odd_sizes_and_other_formats_goes_through_swscale():
     f = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(format="yuv444p")
     ours, _ = convert.to_nv12(f)
     assert np.array_equal(ours, f.reformat(format="nv12").to_ndarray())
-    assert isinstance(convert.nv12_planes(f), np.ndarray)  # not 4:2:0: no planes to hand out
+    assert isinstance(convert.nv12_planes(f)[0], np.ndarray)  # not 4:2:0: no planes to hand out
     odd = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(width=63, height=47)
     ours, _ = convert.to_nv12(odd)
     assert ours.shape == (46 * 3 // 2, 62)
-    assert isinstance(convert.nv12_planes(odd), np.ndarray)
+    assert isinstance(convert.nv12_planes(odd)[0], np.ndarray)
+    # full range ("yuvj", MJPEG webcams) through swscale comes out limited range, and says so: the pool's NV12 -> RGB
+    # maths follows the tag (read as full, black came out 16 and white 235)
+    rgb_in = np.zeros((48, 64, 3), np.uint8)
+    rgb_in[:, 32:] = 255
+    rgb_in[:24, :16] = (200, 30, 60)
+    full = av.VideoFrame.from_ndarray(rgb_in, format="rgb24").reformat(format="yuvj422p")
+    for f, crop in ((full, rgb_in), (full.reformat(format="yuvj420p").reformat(width=62, height=47), None)):
+        ours, colour = convert.to_nv12(f)
+        assert colour == ("bt601", "limited"), f.format.name
+        back = nv12_to_rgb(torch.from_numpy(ours).unsqueeze(0), *colour)[0].permute(1, 2, 0)
+        ref = crop if crop is not None else f.reformat(width=62, height=46, format="rgb24").to_ndarray()
+        assert (back - torch.from_numpy(ref).float()).abs().mean() < 3.0, f.format.name
 
 
 @pytest.mark.parametrize("live, w, h, count", [(True, 320, 240, 1), (True, 640, 480, 0), (True, 1280, 720, 0),
