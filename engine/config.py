@@ -432,9 +432,9 @@ class IngestConfig(_Strict):
     copies are superseded, its credit is 1 until it keeps up again (engine/frames/ring.py, LEAN_ENTER): 1,318 and
     1,395 frames/s at 48 x 720p60, none superseded. Offline streams wait for a free slot instead (back-pressure)."""
     pixel_format: Literal["auto", "rgb24"] = "auto"
-    """What an ingest process writes into the slots of a stream it decodes on the CPU (NVDEC's are NV12). auto: NV12 as decoded (no colour conversion: 1.5 bytes
-    a pixel) when the stream feeds one pool that converts NV12 in its batched preprocessing (classify or sam2 on a
-    GPU with preprocess: fast) or reads no pixels (noop); RGB otherwise. rgb24: always RGB. Measured at 320x240 on
+    """What an ingest process writes into the slots of a stream it decodes on the CPU (NVDEC's are NV12). auto: NV12
+    as decoded (no colour conversion: 1.5 bytes a pixel) when the stream feeds one pool that converts NV12 in its
+    batched preprocessing (classify or sam2 on a GPU with preprocess: fast) or reads no pixels (noop); RGB otherwise. rgb24: always RGB. Measured at 320x240 on
     2 cores: the RGB conversion cost more CPU than the decoding (streams/convert.py)."""
     gpu_transport: Literal["shm", "threads"] = "shm"
     """How a stream that may decode with NVDEC (decode auto/cuda on a CUDA machine) reaches its pool. shm: decoded in
@@ -442,8 +442,8 @@ class IngestConfig(_Strict):
     the stream's shared-memory slots and uploaded again by the pool's batched preprocessing, as CPU-decoded frames
     are; the slot protocol every CPU test covers, for the price of two copies over PCIe a frame. Each ingest process
     that decodes on the GPU holds a CUDA context of its own (~300-500 MB of GPU memory expected, for its life): how
-    many do is logged and is the gauge vidar_ingest_cuda_contexts. A stream feeding several pools stays a thread (the engine copies into the other
-    pools' rings on the host). threads: one thread per such stream in the engine process, NV12 kept in GPU memory
+    many do is logged and is the gauge vidar_ingest_cuda_contexts. A stream feeding several pools stays a thread
+    (the engine copies into the other pools' rings on the host). threads: one thread per such stream in the engine process, NV12 kept in GPU memory
     (zero copy, the engine's CUDA context only; all such streams share the engine's GIL). Neither has run on a GPU
     yet (docs/gpu.md); CUDA IPC slots between processes (zero copy without the GIL) are not built into the
     processes yet."""

@@ -479,6 +479,11 @@ class _NvdecDecoding:
         super().close()
 
 
+def nvdec_possible(source: Any) -> bool:
+    """The source may decode with NVDEC (decode auto/cuda on a CUDA machine): where is decided when it opens."""
+    return isinstance(source, _NvdecDecoding) and source.decode_device != "cpu"
+
+
 def cpu_fallback(source: Any) -> Optional[str]:
     """Why a stream that could have decoded with NVDEC (`decode: auto` on a CUDA machine) decodes on the CPU, or
     None: it decodes with NVDEC, has not opened yet, or never could (no CUDA: a plain PyAV source). For an ingest

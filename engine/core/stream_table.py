@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 from engine.core import auto_rate
 from streams import open_source, redact_url
+from streams.nvdec import nvdec_possible
 from engine.frames.ingest import IngestThread
 
 from engine.security.binds import stream_exposure_error
@@ -274,7 +275,7 @@ class StreamTable:
         if self._hub is None:
             return False
         why = None
-        if _may_use_nvdec(source):
+        if nvdec_possible(source):
             # NV12 copied from the GPU into host slots (ingest.gpu_transport shm). Zero copy between processes (the
             # CUDA IPC slot pool, engine/ingest/cuda_slots.py) has run on the CPU with fakes only and the hub does not
             # lend such pools yet: `threads` keeps NV12 in GPU memory, in the engine process.
@@ -296,7 +297,7 @@ class StreamTable:
         conversion, when its one pool's runners take NV12 (they convert it in their batched preprocessing, or read
         no pixels) and its decoder can hand NV12 out; RGB otherwise. One pool only: the hub copies a stream feeding
         several into the others' RGB rings (leases.py)."""
-        if _may_use_nvdec(source):  # NVDEC gives NV12 (its pools take NV12, else it decodes on the CPU: add)
+        if nvdec_possible(source):  # NVDEC gives NV12 (its pools take NV12, else it decodes on the CPU: add)
             return "nv12"
         if self.cfg.ingest.pixel_format == "rgb24" or len(pools) != 1 or "nv12" not in source.host_formats:
             return "rgb24"
@@ -504,8 +505,3 @@ class StreamTable:
                            "reason": getattr(source, "decode_reason", "")},
                 # a live network stream: how far behind its camera it is read, seconds (streams/clock.py); else None
                 "lag_s": lag_of(e)}
-
-
-def _may_use_nvdec(source) -> bool:
-    """The source may decode with NVDEC (decode auto/cuda on a CUDA machine): decided when it opens."""
-    return getattr(source, "decode_device", "cpu") != "cpu"

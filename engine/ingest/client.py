@@ -113,7 +113,7 @@ class IngestHub:
         return {"stale_descriptors": ls.stale_descriptors, "bad_messages": self.bad_messages + ls.bad_messages,
                 "bad_commands": sum(p.bad_commands for p in list(self.procs.procs.values())),
                 "restarts": ls.restarts, "processes": len(self.procs.procs), "cuda_unadmitted": ls.pending.dropped,
-                "cuda_contexts": sum(1 for p in list(self.procs.procs.values()) if p.cuda)}
+                "cuda_contexts": self.procs.cuda_contexts()}
 
     def pids(self) -> dict[int, int]:
         return self.procs.pids()
@@ -223,9 +223,8 @@ class IngestHub:
     def _say_cuda(self, what: str) -> None:
         """How many ingest processes hold a CUDA context of their own, said when it changes: each costs GPU memory
         (~300-500 MB expected, not measured yet) for the process's life, whatever its streams do since."""
-        held = sum(1 for p in self.procs.procs.values() if p.cuda)
         log.info("ingest: %s: %d ingest process(es) now hold a CUDA context of their own (~300-500 MB of GPU memory "
-                 "each, expected)", what, held)
+                 "each, expected)", what, self.procs.cuda_contexts())
 
     def _apply_inbox(self, credit: set[str]) -> None:
         while self._inbox:

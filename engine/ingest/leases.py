@@ -26,6 +26,7 @@ from engine.ingest.lease import Lease, RemoteIngest
 from engine.ingest.procs import ProcessManager
 from engine.ingest.slots import Segment, ShmSpaceError, segment_name
 from engine.ingest.supervisor import IngestProcess, RestartPolicy
+from streams.nvdec import nvdec_possible
 
 log = logging.getLogger("vidar.ingest")
 
@@ -55,8 +56,7 @@ class Leases:
         remote = RemoteIngest(self._submit, source, ring, scfg.mode == "live", fanout)
         size = getattr(source, "frame_size", None)
         lease = Lease(scfg, ring, remote, size=(size[1], size[0]) if size else None, fanout=tuple(fanout),
-                      decode=getattr(source, "decode", "cpu") if getattr(source, "decode_device", "cpu") != "cpu"
-                      else "cpu")
+                      decode=source.decode if nvdec_possible(source) else "cpu")
         # a generation of its own from the start (next() on the shared counter is atomic under the GIL): until it
         # is placed, a message of an older lease of the same id (a process still ending it) is stale, not its
         lease.gen = lease.assign_gen = next(self._gens)

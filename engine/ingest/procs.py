@@ -225,6 +225,10 @@ class ProcessManager:
     def pids(self) -> dict[int, int]:
         return {p.idx: p.handle.pid for p in list(self.procs.values())}
 
+    def cuda_contexts(self) -> int:
+        """How many of the processes said they made a CUDA context (IngestProcess.cuda)."""
+        return sum(1 for p in list(self.procs.values()) if p.cuda)
+
     def describe(self) -> list[dict]:
         return [{"process": p.label, "streams": sorted(p.streams), "dedicated": p.dedicated,
                  "cuda_context": p.cuda}
