@@ -279,8 +279,11 @@ class NoopConfig(_Strict):
     """A sizing knob: seconds each frame takes in a batch (a batch of n takes n times this; a sleep, no
     CPU). 0 (the default): no cost, the pool measures the engine alone. Set it to stand in for a model of a
     known cost, e.g. 0.05 for a 20 frames/s model (benchmarks/bench_cluster.py --frame-ms)."""
-    max_batch: int = Field(4, ge=1, le=64)
-    """Largest batch."""
+    max_batch: int = Field(16, ge=1, le=64)
+    """Largest batch. 16: a pool that costs nothing per frame has no reason to run small batches, and each batch
+    has a fixed cost in the engine (a dispatch, a completion, an output step, a publish call): measured on a 2-core
+    host, 16 RTSP cameras of 240p60, the engine's threads took ~0.19 cores at 16 against ~0.29 at 4 (benchmarks/
+    RESULTS.md, issue 42), at the same batch wait (budget.max_batch_wait_ms)."""
     workers: int = Field(1, ge=1, le=64)
     """Instances; with a per_frame_s, each serves at most 1 / per_frame_s frames a second."""
 

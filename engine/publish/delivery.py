@@ -110,7 +110,9 @@ class Delivery:
     def read_subscriptions(self) -> list[bytes]:
         """Subscription messages received (b"\\x01topic" / b"\\x00topic"), each noted for its subscriber."""
         out = []
-        while True:
+        # asked first, not found out by a recv raising Again: pyzmq builds an exception (with its strerror) for each,
+        # and this runs every time the publisher thread wakes
+        while self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -128,6 +130,7 @@ class Delivery:
                 prefixes.append(msg[1:])
             elif msg[1:] in prefixes:
                 prefixes.remove(msg[1:])
+        return out
 
     def tick(self) -> None:
         """Between sends: track connections; while anything is suspect, look again (caught up, or gone)."""

@@ -114,6 +114,8 @@ class PeerWatch:
         changed = False
         while True:
             try:
+                if not self._monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # asked, not found out by Again raised
+                    return changed
                 ev = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return changed

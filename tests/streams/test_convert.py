@@ -71,6 +71,16 @@ def test_nv12_planes_write_the_decoded_planes_straight_into_a_slot(size):
     assert f.planes[0].line_size > f.width or size != (72, 48)  # the padded-rows case is really exercised
 
 
+def test_nv12_planes_refuse_a_destination_that_does_not_take_them():
+    """OpenCV's merge writes a new array when its destination does not take the planes (here its element type):
+    write_into must raise, never leave the slot's UV rows unwritten in silence; a wrong width raises too."""
+    f = tagged_frames(None, None, n=1, size=(64, 48))[0]
+    planes, _ = convert.nv12_planes(f)
+    for slot in (np.full((48 * 3 // 2, 64), 7, np.uint16), np.full((48 * 3 // 2, 66), 7, np.uint8)):
+        with pytest.raises(ValueError):
+            planes.write_into(slot)
+
+
 def test_nv12_of_odd_sizes_and_other_formats_goes_through_swscale():
     f = tagged_frames(None, None, n=1, size=(64, 48))[0].reformat(format="yuv444p")
     ours, _ = convert.to_nv12(f)
