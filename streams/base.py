@@ -32,7 +32,8 @@ class DecodedFrame:
     #: write is then not in decode_s).
     nv12: Optional[Any] = field(default=None, repr=False)
     #: a CUDA event recorded on the decoder's stream after `nv12` was written: a reader on another
-    #: stream waits on it (stream.wait_event), never with a host sync. None on the CPU.
+    #: stream waits on it (stream.wait_event), never with a host sync. None on the CPU. The decoder's own event,
+    #: re-recorded for a later frame: queue the wait (or sync) before asking for the next frame (streams/nvdec.py).
     ready: Optional[Any] = field(default=None, repr=False)
     #: the colour matrix and range the pixels were coded with (from the bitstream's metadata), which
     #: an NV12 -> RGB conversion needs: ("bt601" | "bt709", "limited" | "full")

@@ -274,6 +274,13 @@ class NvdecSession:
     `decode(packet, ticket)` returns the frames that packet completed as (ticket, nv12, ready), each nv12
     copied out of the decoder's surface into its own tensor (the next Decode call overwrites the surfaces),
     on the decoder's stream, with an event recorded after the copy. Built when the stream opens.
+
+    The events are the session's own, re-recorded, not made per frame (torch's CUDAEventPool: concurrent
+    cudaEventCreate calls "can incur significant cost on some device/driver combinations", and 48 decoder
+    threads would make 2,880 a second): the i-th frame of a decode() call gets the i-th event, so a `ready` is
+    valid until the next decode() call. What makes that enough: whoever takes a frame queues its wait on `ready`
+    (a GPU stream's wait_event, which waits for the record made before it) or syncs on it before it asks for the
+    next frame (streams.nvdec._NvdecDecoding yields each frame before the next packet is decoded).
     """
 
     def __init__(self, nvc: ModuleType, stream: Any, *, gpu: int = 0):
@@ -290,6 +297,8 @@ class NvdecSession:
         # CreateDecoder only makes NVIDIA's parser: a codec or size this GPU refuses shows in the first Decode
         # (resolve_decode checked the caps before this; _NvdecDecoding handles a first Decode that raises)
         self._decoder: Any = self._create()
+        self._events: list[Any] = []  # the frames' ready events, re-recorded (class docstring)
+        self._next_event = 0          # the next one a frame of this decode() call takes
 
     def _create(self) -> Any:
         nvc = self._nvc
@@ -303,6 +312,7 @@ class NvdecSession:
         Raises DecoderFailed when the decoder raised (it is discarded: packets are skipped until the next
         keyframe, where a new one is built), SessionOver when that rebuild fails or frames are not NV12.
         """
+        self._next_event = 0  # the frames of the last call were taken (their waits queued) before this one
         if not packet.size:
             return self._call(self._packet_data(0, 0, 0)) if self._decoder is not None else []
         if self._decoder is None:
@@ -350,9 +360,16 @@ class NvdecSession:
                                   "this stream")
             nv12 = torch.empty(src.shape, dtype=src.dtype, device=src.device)  # contiguous, the frame's own
             nv12.copy_(src)
-            ready = cuda_ops.new_event()
+            ready = self._event()
             ready.record(self.cuda_stream)
         return nv12, ready
+
+    def _event(self) -> Any:
+        """The next ready event of this decode() call: made the first time a call hands out that many frames."""
+        if self._next_event == len(self._events):
+            self._events.append(cuda_ops.new_event())
+        self._next_event += 1
+        return self._events[self._next_event - 1]
 
 
 class _NvdecDecoding:

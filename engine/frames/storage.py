@@ -320,7 +320,11 @@ class DeviceSlots(_Nv12Slots, SlotStorage):
         # stream on the device): copies overlap the decoders' work and the models'.
         self._stream = self._cuda.Stream(device=self.device) if cuda is None else self._cuda.Stream()
         self._tensors: list[Optional[torch.Tensor]] = []
-        self._ready: list[Any] = []    # per slot: event after its last write (what readers wait on)
+        # per slot: event after its last write (what readers wait on). One per slot, made at its first write and
+        # re-recorded, never one a frame (torch's CUDAEventPool says why concurrent cudaEventCreate is avoided):
+        # a slot is written again only after its frame's readers released it, and each queued its wait (on the
+        # record made before the wait) before that
+        self._ready: list[Any] = []
         self._pending: list[Any] = []  # per slot: event after its last reader's work (what a write waits on)
 
     def frame_bytes(self, h: int, w: int) -> int:
@@ -358,9 +362,10 @@ class DeviceSlots(_Nv12Slots, SlotStorage):
             self._tensors[slot].copy_(frame, non_blocking=True)
             # waited on by the readers' streams (stream.wait_event: the models, the live view), never by the host:
             # torch's default, non-blocking event (engine/models/device.host_event says why host-waited ones are not)
-            event = self._cuda.Event()
+            event = self._ready[slot]
+            if event is None:
+                event = self._ready[slot] = self._cuda.Event()
             event.record(self._stream)
-        self._ready[slot] = event
         # The source's tensor may be freed as soon as the caller drops it: the caching allocator must not
         # hand its memory to another tensor before this stream's copy has read it.
         if hasattr(frame, "record_stream") and frame.device.type == "cuda":
@@ -381,8 +386,7 @@ class DeviceSlots(_Nv12Slots, SlotStorage):
         pending, self._pending[slot] = self._pending[slot], None
         if self._tensors[slot] is not None and pending is not None:
             self._stream.wait_event(pending)
-        self._tensors[slot] = None
-        self._ready[slot] = None
+        self._tensors[slot] = None  # its ready event stays: the slot's next write re-records it
 
 
 

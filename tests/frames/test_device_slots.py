@@ -87,6 +87,24 @@ def test_the_pending_reader_event_is_waited_for_once():
     assert [e for op, e in cuda.streams[0].log if op == "wait"].count(done) == 1
 
 
+def test_one_ready_event_per_slot_re_recorded_never_one_a_frame():
+    """torch's CUDAEventPool: concurrent cudaEventCreate calls are costly (48 decoder threads would make thousands a
+    second): a slot's event is made at its first write and recorded again at each; a reader gets it recorded for its
+    own frame (waits queued before the slot's release, so a later record never reaches them)."""
+    r, cuda, _ = device_ring(slots=3)
+    for seq in range(50):
+        assert r.write(meta(seq), nv12(seq))
+        (ref,) = r.take_ready()
+        ev = ref.ready_event()
+        assert ev.recorded_on is cuda.streams[0]
+        records = ev.records
+        ref.release(seen=True, after=FakeEvent(f"read{seq}"))
+        assert ev.records == records  # no record between the reader's wait and the release
+    made = [e for e in cuda.events_made if not e.interprocess]
+    assert 1 <= len(made) <= r.capacity  # one per slot used, not 50
+    assert sum(e.records for e in made) == 50
+
+
 @pytest.mark.parametrize("frame, message", [
     (np.zeros((8, 8, 3), np.uint8), r"stream 'cam': decoder produced uint8 \(8, 8, 3\), expected an NV12 uint8 tensor .* \(this ring holds nv12\)"),
     (torch.zeros((8, 8), dtype=torch.uint8), r"expected an NV12 uint8 tensor of \(H \* 3 // 2, W\)"),

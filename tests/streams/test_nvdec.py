@@ -84,7 +84,29 @@ def test_low_latency_one_cuda_stream_of_its_own_and_an_event_after_each_copy(fak
     (stream,) = fake.cuda.streams
     assert dec.cudastream == stream.cuda_stream != 0  # never the legacy default stream
     assert fake.dlpack_streams == [stream.cuda_stream] * 48  # the copies ran on the decoder's stream
-    assert all(f.ready.stream is stream and f.ready.recorded == 1 for f in frames)
+    assert all(f.ready.stream is stream for f in frames)
+
+
+@pytest.mark.parametrize("reorder_delay", [0, 2])
+def test_ready_events_are_the_sessions_own_re_recorded_one_per_frame_of_a_call(monkeypatch, clips, reorder_delay):
+    """No CUDA event made per frame (torch's CUDAEventPool: concurrent cudaEventCreate is costly): the i-th frame of
+    a decode call gets the session's i-th event, recorded again after that frame's copy and before it is handed out;
+    frames out of one call (a flush after reordering) never share one."""
+    fake = install(monkeypatch, FakeNvdec(reorder_delay=reorder_delay))
+    made = []
+    real_new_event = fake.cuda.new_event
+    monkeypatch.setattr(fake.cuda, "new_event", lambda: made.append(real_new_event()) or made[-1])
+    src = open_source("cam", str(clips["mp4"]), decode="cuda")
+    seen: dict[int, int] = {}
+    n = 0
+    for f in src.frames():
+        seen[id(f.ready)] = seen.get(id(f.ready), 0) + 1
+        assert f.ready.recorded == seen[id(f.ready)]  # recorded for this frame, before it was handed out
+        n += 1
+    assert n == 48
+    most = max(fake.outputs_per_call)
+    assert most == 1 if reorder_delay == 0 else most > 1  # with reordering the flush hands out several at once
+    assert len(made) == most  # one event per frame of the busiest call, whatever the frame count
 
 
 @pytest.mark.parametrize("reorder_delay", [0, 2])
