@@ -6,6 +6,8 @@ No peer is installed or run here, no server started (the benchmark is `make benc
 
 from __future__ import annotations
 
+import argparse
+
 import importlib.util
 import json
 import re
@@ -180,6 +182,25 @@ def test_cells_are_medians_of_verified_runs_and_the_ratios_pair_like_with_like(m
     assert "1.19+0.05" in vidar and vidar.endswith("(1 run(s) not verified)")  # cores: the tree + subscriber
     ultra = next(line for line in table.splitlines() if "Ultralytics" in line)
     assert ultra.split()[6:8] == ["n/m", "n/m"]  # no latency for a loader without timestamps
+
+
+def test_a_window_that_overran_is_not_verified(bp):
+    """A machine-wide stall (the driver slept ~1.9 s longer than asked, seen once): the server's frames stop with it
+    and the sink's camera-clock age counts the stall as the system's, so the run is left out of the cells, said."""
+    def rec(window_s):
+        return {"summary": {"window_s": window_s, "per_stream_fps_min_med_max": [29.9, 30.0, 30.0],
+                            "not_newer_in_window": 0, "tree_processes_exited": []},
+                "window_asked_s": 20.0, "notes": [], "shutdown": {"exit": 0}}
+    ok, stalled = rec(20.02), rec(21.91)
+    assert bp.verify(ok) and not ok["notes"]
+    assert not bp.verify(stalled) and "the machine stalled" in stalled["notes"][0]
+
+
+def test_what_ran_is_read_without_a_peers_environment(bp, tmp_path):
+    """A vidar-only run on a machine without .venv-peers: read before the RTSP server starts, and it must not raise
+    (it did, and the server it had started outlived the benchmark)."""
+    env = bp.environment(argparse.Namespace(peers_python=tmp_path / "no-such-python"))
+    assert "missing" in env["peers"] and env["cpus"] >= 1
 
 
 def test_the_curve_finds_where_delivered_fps_falls_as_cameras_are_added(m):
