@@ -163,7 +163,7 @@ class LiveSession:
         self.edge = LiveEdge(budget_s) if budget_s else None
         self.time_base = time_base
         self.lag_s: Optional[float] = None   # the last packet's: arrival - camera time, seconds
-        self.skipped = 0                     # packets (frames) discarded in this session
+        self.skipped = 0                     # packets (frames) discarded since this connection opened
         self._camera: dict[float, float] = {}  # pts (seconds, as frames carry it) -> camera time (monotonic)
 
     def packet(self, pts: Optional[int], keyframe: bool, arrival: float, dts: Optional[int] = None) -> bool:

@@ -241,7 +241,7 @@ class DecoderFailed(Exception):
 
 
 class SessionOver(Exception):
-    """NVDEC cannot go on with this session: a decoder could not be rebuilt, or its frames are not NV12
+    """NVDEC cannot go on decoding this connection: a decoder could not be rebuilt, or its frames are not NV12
     (internal: ends the session with this reason, as a demuxer error does)."""
 
 
@@ -383,7 +383,7 @@ class _NvdecDecoding:
         self.decode, self.gpu = decode, gpu
         self.decode_device: Optional[str] = None
         self.decode_reason = f"{decode}: decided when the stream opens (its codec)"
-        self.filter_name: Optional[str] = None  # the bitstream filter this session's packets go through
+        self.filter_name: Optional[str] = None  # the bitstream filter this connection's packets go through
         self._session: Optional[NvdecSession] = None
         self._told: Optional[tuple[str, str]] = None  # the choice last logged: a reconnect does not repeat it
         self.nvdec_frames = 0  # NVDEC frames handed out over the stream's life: once one is, its ring holds NV12
